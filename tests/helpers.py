@@ -1,0 +1,48 @@
+"""Shared test models and numerical references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import treegrad as tg
+from treegrad import nn
+
+
+class MLP(tg.Module):
+    def __init__(self, key, sizes=(4, 8, 1)):
+        keys = jax.random.split(key, len(sizes) - 1)
+        self.layers = [
+            nn.Dense(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys, strict=True)
+        ]
+        self.act = jax.nn.tanh
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = self.act(layer(x))
+        return self.layers[-1](x)
+
+
+def mse(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def assert_trees_close(a, b, rtol=1e-6, atol=1e-6):
+    la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda v: v is None)
+    lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda v: v is None)
+    assert ta == tb, f"structures differ:\n{ta}\n{tb}"
+    for x, y in zip(la, lb, strict=True):
+        if x is None or y is None:
+            assert x is None and y is None, (x, y)
+        else:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def finite_difference(f, x, eps=1e-3):
+    """Central differences of scalar f at float64 copy of array x."""
+    x = np.asarray(x, dtype=np.float64)
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[i] = eps
+        g[i] = (f(x + e) - f(x - e)) / (2 * eps)
+    return g

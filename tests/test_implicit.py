@@ -1,0 +1,242 @@
+"""Implicit mode: Params, Grads, and the classic Flux/Zygote questions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import treegrad as tg
+from treegrad import nn
+
+from .helpers import MLP, mse
+
+x = jnp.array([3.0, 1, 0, 1, 2])
+
+
+def test_question1_globals_and_replaced_array():
+    global W, b
+    W = jax.random.normal(jax.random.key(0), (3, 5))
+    b = jnp.zeros(3)
+    y = lambda x: jnp.sum(W @ x + b)
+    old_W = W
+    grads = tg.gradient(lambda: y(x), tg.Params([W, b]))
+    np.testing.assert_allclose(grads[W], np.outer(np.ones(3), x))
+    np.testing.assert_allclose(grads[b], np.ones(3))
+    assert set(grads.named()) == {"0", "1"} and len(grads) == 2
+    W = W * 2.0  # a new array: a new object
+    with pytest.raises(KeyError, match="may have been replaced"):
+        grads[W]
+    np.testing.assert_allclose(grads[old_W], np.outer(np.ones(3), x))
+    with pytest.raises(KeyError, match="not a registered parameter"):
+        grads[jnp.ones(7)]
+
+
+class RNNCell(tg.Module):
+    def __init__(self, n_in, n_hidden, key):
+        k1, k2 = jax.random.split(key)
+        self.Wi = jax.random.normal(k1, (n_hidden, n_in)) * 0.5
+        self.Wh = jax.random.normal(k2, (n_hidden, n_hidden)) * 0.5
+        self.b = jnp.zeros(n_hidden)
+
+    def __call__(self, h, x):
+        return jnp.tanh(self.Wi @ x + self.Wh @ h + self.b)
+
+
+def test_question2_recurrent_model_names_each_gradient():
+    rnn = RNNCell(2, 3, jax.random.key(1))
+    seq = jax.random.normal(jax.random.key(2), (3, 2))
+
+    def loss():
+        h = jnp.zeros(3)
+        total = jnp.zeros(())
+        for t in range(3):
+            h = rnn(h, seq[t])
+            total = total + jnp.sum(h)
+        return total
+
+    ps = tg.params(rnn)
+    grads = tg.gradient(loss, ps)
+    assert list(grads.named()) == ["Wi", "Wh", "b"]
+    assert list(grads) == [rnn.Wi, rnn.Wh, rnn.b] or all(
+        a is b for a, b in zip(grads, [rnn.Wi, rnn.Wh, rnn.b], strict=True)
+    )
+
+    def explicit(m):
+        h = jnp.zeros(3)
+        total = jnp.zeros(())
+        for t in range(3):
+            h = m(h, seq[t])
+            total = total + jnp.sum(h)
+        return total
+
+    ref = jax.grad(explicit)(rnn)
+    for name in ("Wi", "Wh", "b"):
+        np.testing.assert_allclose(grads.named()[name], getattr(ref, name), rtol=1e-5, atol=1e-7)
+
+
+def test_question4_work_outside_the_closure_warns():
+    model = nn.Dense(4, 2, key=jax.random.key(0))
+    xs = jnp.ones((3, 4))
+    target = jnp.zeros((3, 2))
+    ps = tg.params(model)
+    q = model(xs)  # computed outside
+    with pytest.warns(tg.NoGradientWarning, match="outside the function"):
+        grads = tg.gradient(lambda: jnp.mean((q - target) ** 2), ps)
+    assert all(g is None for g in grads.values())
+    with pytest.raises(tg.NoGradientError):
+        tg.gradient(lambda: jnp.mean((q - target) ** 2), ps, strict=True)
+    grads = tg.gradient(lambda: jnp.mean((model(xs) - target) ** 2), ps)
+    assert all(g is not None for g in grads.values())
+
+
+def test_parameter_through_inner_jit_helper():
+    w = jnp.array([1.0, 2.0])
+    helper = jax.jit(lambda v: jnp.sum(w * v))
+    grads = tg.gradient(lambda: helper(jnp.array([3.0, 4.0])), tg.Params([w]))
+    np.testing.assert_allclose(grads[w], [3.0, 4.0])
+
+
+def test_parameter_through_dict_list_and_attribute():
+    a, c = jnp.array(2.0), jnp.ones(2)
+    store = {"a": a, "items": [c]}
+
+    class Box:
+        pass
+
+    box = Box()
+    box.store = store
+    grads = tg.gradient(lambda: box.store["a"] * jnp.sum(box.store["items"][0]), tg.Params(store))
+    assert float(grads[a]) == 2.0
+    np.testing.assert_allclose(grads[c], [2.0, 2.0])
+    assert list(grads.named()) == ["a", "items.0"]
+
+
+def test_scalar_parameter():
+    s = jnp.asarray(3.0)
+    grads = tg.gradient(lambda: s**2, tg.Params(s))
+    assert float(grads[s]) == 6.0
+
+
+def test_unused_parameter_is_none_not_zero():
+    u, v = jnp.ones(2), jnp.ones(2)
+    grads = tg.gradient(lambda: jnp.sum(u), tg.Params([u, v]))
+    assert grads[v] is None
+
+
+def test_tied_weight_appears_once_with_total_gradient():
+    w = jnp.array([1.0, 2.0])
+    tree = {"enc": w, "dec": w}
+    ps = tg.params(tree)
+    assert len(ps) == 1
+    grads = tg.gradient(lambda: jnp.sum(tree["enc"] * 3.0) + jnp.sum(tree["dec"] ** 2), ps)
+    np.testing.assert_allclose(grads[w], [5.0, 7.0])
+
+
+def test_trainable_respected():
+    class Norm(tg.Module):
+        __trainable__ = ("scale",)
+
+        def __init__(self):
+            self.scale = jnp.ones(2)
+            self.running = jnp.zeros(2)
+
+    m = Norm()
+    assert list(tg.params(m).named()) == ["scale"]
+
+
+def test_numpy_parameters_converted_in_place_and_standalone_refused():
+    d = {"w": np.ones(2, dtype=np.float32)}
+    ps = tg.Params(d)
+    assert isinstance(d["w"], jax.Array) and d["w"] in ps
+    with pytest.raises(TypeError, match=r"jnp\.asarray"):
+        tg.Params(np.ones(2))
+
+
+def test_params_follow_container_updates():
+    model = nn.Dense(2, 1, key=jax.random.key(0))
+    ps = tg.params(model)
+    old = model.weight
+    model.weight = model.weight + 1.0
+    assert model.weight in ps and old not in ps
+
+
+def test_grads_arithmetic_and_map():
+    u, v = jnp.ones(2), jnp.full(2, 2.0)
+    ps = tg.Params([u, v])
+    g1 = tg.gradient(lambda: jnp.sum(u * 3.0), ps)
+    g2 = tg.gradient(lambda: jnp.sum(u) + jnp.sum(v * 2.0), ps)
+    np.testing.assert_allclose((g1 + g2)[u], [4.0, 4.0])
+    np.testing.assert_allclose((g1 + g2)[v], [2.0, 2.0])  # None acts as zero
+    np.testing.assert_allclose((g1 - g2)[v], [-2.0, -2.0])
+    np.testing.assert_allclose((g2 * 2)[v], [4.0, 4.0])
+    np.testing.assert_allclose((2 * g2)[v], [4.0, 4.0])
+    np.testing.assert_allclose((g2 / 2)[v], [1.0, 1.0])
+    np.testing.assert_allclose((-g2)[v], [-2.0, -2.0])
+    assert g1.map(jnp.sign)[v] is None
+    other = tg.gradient(lambda: jnp.sum(u), tg.Params([u]))
+    with pytest.raises(ValueError, match="different parameter sets"):
+        g1 + other
+    with pytest.raises(TypeError):
+        g1["w"] = 1  # read-only
+
+
+def test_to_tree_equals_explicit():
+    m = MLP(jax.random.key(3))
+    xs = jax.random.normal(jax.random.key(4), (6, 4))
+    ys = jnp.ones((6, 1))
+    grads = tg.gradient(lambda: mse(m, xs, ys), tg.params(m))
+    (explicit,) = tg.gradient(lambda mm: mse(mm, xs, ys), m)
+    tree = grads.to_tree(m)
+    assert type(tree) is MLP
+    # One engine: the two styles agree to the last bit.
+    for a, c in zip(
+        jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(explicit), strict=True
+    ):
+        np.testing.assert_array_equal(a, c)
+    assert "layers.0.weight" in repr(grads) and "norm" in repr(grads)
+
+
+def test_fifty_steps_one_trace_and_current_values():
+    traces = []
+    model = nn.Dense(3, 1, key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (8, 3))
+    ys = jnp.ones((8, 1))
+
+    def loss(m):
+        traces.append(1)
+        return jnp.mean((m(xs) - ys) ** 2)
+
+    ps = tg.params(model)
+    for _ in range(50):
+        grads = tg.gradient(lambda: loss(model), ps)
+        ref = jax.grad(lambda m: jnp.mean((m(xs) - ys) ** 2))(model)
+        np.testing.assert_allclose(grads[model.weight], ref.weight, rtol=1e-5, atol=1e-7)
+        model.weight = model.weight - 0.1 * grads[model.weight]
+        model.bias = model.bias - 0.1 * grads[model.bias]
+    assert len(traces) == 1
+
+
+def test_withgradient_implicit_returns_value():
+    w = jnp.array([1.0, 2.0])
+    value, grads = tg.withgradient(lambda: jnp.sum(w**2), tg.Params([w]))
+    assert float(value) == 5.0
+    np.testing.assert_allclose(grads[w], [2.0, 4.0])
+
+
+def test_implicit_pullback_and_jacobian():
+    w = jnp.array([1.0, 2.0])
+    ps = tg.Params([w])
+    _, back = tg.pullback(lambda: w * 3.0, ps)
+    np.testing.assert_allclose(back(jnp.ones(2))[w], [3.0, 3.0])
+    J = tg.jacobian(lambda: w**2, ps)
+    np.testing.assert_allclose(J[w], np.diag([2.0, 4.0]))
+
+
+def test_parameter_hidden_in_opaque_object_is_an_error():
+    class Opaque:
+        __slots__ = ("w",)
+
+    o = Opaque()
+    o.w = jnp.ones(2)
+    with pytest.raises(TypeError, match="cannot see into"):
+        tg.gradient(lambda: jnp.sum(o.w), tg.Params(o.w))

@@ -1,0 +1,412 @@
+"""The trace engine shared by explicit mode, implicit mode and `tg.jit`.
+
+One call goes through four steps:
+
+1. `flatten_call`: the function is turned into a pytree of what it captures
+   (`_capture`), and that pytree and the arguments are flattened once. Array
+   leaves are the dynamic inputs; every other leaf is static and, with the
+   treedefs, forms the cache key. A new lambda with the same code, the same
+   static data and the same structure gives an equal key.
+2. On a cache miss, `_Entry` builds a pure function of the flat dynamic inputs
+   and wraps it in `jax.jit`; jax's own C++ cache then handles shapes and
+   dtypes, so the Python key holds no per-leaf avals.
+3. The first time `jax.jit` traces it, the user's function is staged once with
+   `jax.make_jaxpr`; the jaxpr tells which inputs the output depends on (for
+   `None` gradients) and whether any array was captured where the walk could
+   not see it. Such a closure cannot be proven fresh: its entry is dropped after
+   the call, so the next call re-traces, and a `RetraceWarning` names it once.
+4. The staged jaxpr is differentiated (`jax.vjp`, `jax.jacrev`, `jax.hessian`)
+   and the result returned as flat lists the front ends rebuild into trees.
+
+Called with tracers (inside `jax.jit`, `jax.vmap`, `jax.grad`, `lax.scan`),
+the same jitted function is simply traced into the outer computation.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _jaxpr
+from ._capture import capture, describe, materialize
+from ._tree import describe_leaf
+
+_ARRAY_TYPES = (jax.Array, np.ndarray)
+
+
+class RetraceWarning(UserWarning):
+    """A closure captures arrays treegrad cannot track; it is re-traced every call."""
+
+
+class _Dyn:
+    """Marks the position of a dynamic (array) leaf in the static key."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+DYN = _Dyn()
+
+# Programs: what to do with the staged function.
+GRAD = "grad"  # value and gradient of a scalar output
+PULLBACK = "pullback"  # value and a vector-Jacobian product closure
+JACOBIAN = "jacobian"
+HESSIAN = "hessian"
+CALL = "call"  # plain compiled call (tg.jit)
+
+
+class Flat:
+    """A callable and its arguments, flattened once."""
+
+    __slots__ = ("a_def", "cl_def", "dyn", "key", "n_cl", "statics")
+
+    def __init__(self, f: Any, args: tuple[Any, ...]):
+        cl_leaves, self.cl_def = jax.tree_util.tree_flatten(capture(f))
+        a_leaves, self.a_def = jax.tree_util.tree_flatten(args)
+        self.n_cl = len(cl_leaves)
+        dyn: list[Any] = []
+        statics: list[Any] = []
+        for leaf in cl_leaves + a_leaves if a_leaves else cl_leaves:
+            if isinstance(leaf, _ARRAY_TYPES):
+                dyn.append(leaf)
+                statics.append(DYN)
+            else:
+                statics.append(leaf)
+        self.dyn = dyn
+        self.statics = tuple(statics)
+        try:
+            hash(self.statics)
+            key: Any = self.statics
+        except TypeError:
+            # Unhashable static leaves are keyed by identity.
+            key = tuple(s if _hashable(s) else ("<id>", id(s)) for s in self.statics)
+        self.key = (self.cl_def, self.a_def, key)
+
+    def n_closure_dyn(self) -> int:
+        return sum(1 for s in self.statics[: self.n_cl] if s is DYN)
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+class _Aux:
+    """Non-array parts of an output, carried through `jax.jit` as static data."""
+
+    __slots__ = ("statics", "treedef")
+
+    def __init__(self, treedef: Any, statics: tuple[Any, ...]):
+        self.treedef = treedef
+        self.statics = statics
+
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        it = iter(arrays)
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [next(it) if s is DYN else s for s in self.statics]
+        )
+
+
+jax.tree_util.register_pytree_node(_Aux, lambda a: ((), a), lambda a, _: a)
+
+
+def split_output(out: Any) -> tuple[list[Any], _Aux]:
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    arrays = []
+    statics = []
+    for leaf in leaves:
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            arrays.append(leaf)
+            statics.append(DYN)
+        else:
+            statics.append(leaf)
+    return arrays, _Aux(treedef, tuple(statics))
+
+
+_INEXACT: dict[Any, bool] = {}
+
+
+def _inexact(x: Any) -> bool:
+    dt = x.dtype
+    r = _INEXACT.get(dt)
+    if r is None:
+        r = _INEXACT[dt] = bool(jnp.issubdtype(dt, jnp.inexact))
+    return r
+
+
+def scalar_loss(value: Any, api: str) -> Any:
+    """Check that `value` is a real scalar and return it as an array."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return jnp.asarray(value, dtype=float)
+    if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        raise TypeError(
+            f"{api}: the function must return a real scalar, but it returned a "
+            f"{type(value).__name__}. Return a scalar loss (reduce with jnp.sum or jnp.mean); "
+            "for the derivatives of a vector output use tg.jacobian."
+        )
+    if value.shape != ():
+        raise TypeError(
+            f"{api}: the function must return a real scalar, but it returned an array of "
+            f"shape {value.shape}. Reduce it to a scalar (jnp.sum, jnp.mean), or use "
+            "tg.jacobian for the derivatives of a vector output."
+        )
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"{api}: the function must return a real floating-point scalar, but it returned "
+            f"dtype {value.dtype}. Cast the loss to a float (or use tg.jacobian for a complex "
+            "output)."
+        )
+    return value
+
+
+class _State:
+    """What the trace found out; read after the call."""
+
+    __slots__ = ("hidden", "transient")
+
+    def __init__(self) -> None:
+        self.hidden: list[Any] = []
+        self.transient = False
+
+
+def _check_constants(
+    closed: Any, before: set[int], state: _State, guard: Callable[[list[Any]], None] | None
+) -> None:
+    hidden = []
+    for c in _jaxpr.constants(closed):
+        if isinstance(c, jax.core.Tracer):
+            state.transient = True
+        elif isinstance(c, jax.Array) and id(c) in before:
+            hidden.append(c)
+    if hidden:
+        if guard is not None:
+            guard(hidden)
+        state.hidden = hidden
+
+
+class Entry:
+    """One compiled program for one cache key."""
+
+    __slots__ = ("api", "flat", "jitted", "n_cl_dyn", "options", "program", "slots", "state", "wrt")
+
+    def __init__(
+        self,
+        program: str,
+        flat: Flat,
+        wrt: tuple[int, ...],
+        *,
+        api: str,
+        slots: tuple[int, ...] | None = None,
+        options: tuple[Any, ...] = (),
+        guard: Callable[[list[Any]], None] | None = None,
+    ):
+        self.program = program
+        self.flat = flat
+        self.wrt = wrt
+        self.api = api
+        self.slots = slots
+        self.options = options
+        self.state = _State()
+        cl_def, a_def, statics, n_cl = flat.cl_def, flat.a_def, flat.statics, flat.n_cl
+        state = self.state
+
+        def user(*dyn: Any) -> Any:
+            if slots is not None:
+                dyn = tuple(dyn[s] for s in slots)
+            it = iter(dyn)
+            leaves = [next(it) if s is DYN else s for s in statics]
+            fn = materialize(jax.tree_util.tree_unflatten(cl_def, leaves[:n_cl]))
+            args = jax.tree_util.tree_unflatten(a_def, leaves[n_cl:])
+            out = fn(*args[0], **args[1]) if program == CALL else fn(*args)
+            if program in (GRAD, HESSIAN):
+                loss = out[0] if options and options[0] and isinstance(out, tuple) else out
+                loss = scalar_loss(loss, api)
+                arrays, aux = split_output(out)
+                return [loss, *arrays], aux
+            if program == JACOBIAN and not isinstance(out, (jax.Array, np.ndarray)):
+                raise TypeError(
+                    f"{api}: the function must return one array, got {type(out).__name__}"
+                )
+            arrays, aux = split_output(out)
+            return arrays, aux
+
+        def pure(dyn: list[Any]) -> Any:
+            before = {id(a) for a in jax.live_arrays()}
+            try:
+                closed, (_, aux) = _jaxpr.stage(user, dyn)
+            except TypeError as e:
+                if "valid JAX type" in str(e):
+                    raise TypeError(
+                        f"{api}: the function returned something that is not an array or a "
+                        f"pytree of arrays ({e})"
+                    ) from None
+                raise
+            _check_constants(closed, before, state, guard)
+            run = _jaxpr.as_function(closed)
+            return _PROGRAMS[program](self, closed, run, aux, dyn)
+
+        self.jitted = jax.jit(pure)
+
+    @property
+    def cacheable(self) -> bool:
+        return not self.state.hidden and not self.state.transient
+
+
+def _grad_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
+    deps = _jaxpr.dependencies(closed, [0])
+    active = [i for i in entry.wrt if i in deps and _inexact(dyn[i])]
+    if active:
+
+        def loss_fn(*xs: Any) -> Any:
+            full = list(dyn)
+            for i, x in zip(active, xs, strict=True):
+                full[i] = x
+            outs = run(*full)
+            return outs[0], outs
+
+        _, vjp, outs = jax.vjp(loss_fn, *[dyn[i] for i in active], has_aux=True)
+        cot = vjp(jnp.ones((), outs[0].dtype))
+        by_pos = dict(zip(active, cot, strict=True))
+    else:
+        outs = run(*dyn)
+        by_pos = {}
+    return (outs[1:], aux), tuple(by_pos.get(i) for i in entry.wrt)
+
+
+def _expand(positions: tuple[int | None, ...], vjp: Any, dy: Any) -> tuple[Any, ...]:
+    grads = vjp(dy)
+    return tuple(None if p is None else grads[p] for p in positions)
+
+
+def _pullback_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
+    deps = _jaxpr.dependencies(closed, range(len(closed.jaxpr.outvars)))
+    active = [i for i in entry.wrt if i in deps and _inexact(dyn[i])]
+
+    def fwd(*xs: Any) -> Any:
+        full = list(dyn)
+        for i, x in zip(active, xs, strict=True):
+            full[i] = x
+        return aux.rebuild(run(*full))
+
+    out, vjp = jax.vjp(fwd, *[dyn[i] for i in active])
+    index = {p: k for k, p in enumerate(active)}
+    positions = tuple(index.get(i) for i in entry.wrt)
+    return out, jax.tree_util.Partial(functools.partial(_expand, positions), vjp)
+
+
+def _jacobian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
+    deps = _jaxpr.dependencies(closed, [0])
+    active = [i for i in entry.wrt if i in deps and _inexact(dyn[i])]
+
+    def fwd(*xs: Any) -> Any:
+        full = list(dyn)
+        for i, x in zip(active, xs, strict=True):
+            full[i] = x
+        return run(*full)[0]
+
+    jacs = (
+        jax.jacrev(fwd, argnums=tuple(range(len(active))))(*[dyn[i] for i in active])
+        if active
+        else ()
+    )
+    by_pos = dict(zip(active, jacs, strict=True))
+    return tuple(by_pos.get(i) for i in entry.wrt)
+
+
+def _hessian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
+    # options[1]: the groups of wrt positions (one group per argument); the
+    # Hessian of each argument with respect to itself.
+    groups: tuple[tuple[int, ...], ...] = entry.options[1]
+    deps = _jaxpr.dependencies(closed, [0])
+    result = []
+    for group in groups:
+        active = [i for i in group if i in deps and _inexact(dyn[i])]
+
+        def fwd(*xs: Any, active: list[int] = active) -> Any:
+            full = list(dyn)
+            for i, x in zip(active, xs, strict=True):
+                full[i] = x
+            return run(*full)[0]
+
+        h = (
+            jax.hessian(fwd, argnums=tuple(range(len(active))))(*[dyn[i] for i in active])
+            if active
+            else ()
+        )
+        index = {p: k for k, p in enumerate(active)}
+        result.append(
+            tuple(
+                tuple(
+                    None if i not in index or j not in index else h[index[i]][index[j]]
+                    for j in group
+                )
+                for i in group
+            )
+        )
+    return tuple(result)
+
+
+def _call_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
+    return run(*dyn), aux
+
+
+_PROGRAMS: dict[str, Callable[..., Any]] = {
+    GRAD: _grad_program,
+    PULLBACK: _pullback_program,
+    JACOBIAN: _jacobian_program,
+    HESSIAN: _hessian_program,
+    CALL: _call_program,
+}
+
+_CACHE: dict[Any, Entry] = {}
+_WARNED: set[Any] = set()
+
+
+def lookup(key: Any) -> Entry | None:
+    return _CACHE.get(key)
+
+
+def store(key: Any, entry: Entry) -> None:
+    _CACHE[key] = entry
+
+
+def execute(key: Any, entry: Entry, dyn: Sequence[Any], f: Any) -> Any:
+    """Run an entry; drop it from the cache if its trace proved it uncacheable."""
+    out = entry.jitted(dyn)
+    if not entry.cacheable:
+        _CACHE.pop(key, None)
+        if entry.state.hidden:
+            code = getattr(f, "__code__", None) or type(f)
+            if code not in _WARNED:
+                _WARNED.add(code)
+                what = ", ".join(describe_leaf(h) for h in entry.state.hidden[:5])
+                warnings.warn(
+                    f"treegrad cannot cache {describe(f)}: it captures {len(entry.state.hidden)} "
+                    f"array(s) ({what}) through objects it cannot see into, so it is re-traced "
+                    "on every call to stay correct. Pass these arrays as arguments, or hold "
+                    "them in a tg.Module, list, dict or a closure variable.",
+                    RetraceWarning,
+                    stacklevel=4,
+                )
+    return out
+
+
+def clear_cache() -> None:
+    """Forget every compiled function (for tests and long-running sessions)."""
+    _CACHE.clear()
+    _WARNED.clear()
+
+
+def cache_size() -> int:
+    return len(_CACHE)

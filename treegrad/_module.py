@@ -1,0 +1,223 @@
+"""`tg.Module`: mutable model classes that are JAX pytrees.
+
+Every subclass is registered with `jax.tree_util` when it is defined, with key
+paths (`GetAttrKey`), so `jax.tree_util` functions, `jax.jit` and treegrad's own
+engine see through it. Which attributes are children is decided per instance at
+flatten time: arrays, Modules and containers holding them are children,
+everything else is static data carried in the treedef.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+from jax.tree_util import GetAttrKey
+
+from ._tree import describe_leaf, is_differentiable
+
+_ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
+# Python scalars, strings, functions and None are the common static attributes;
+# checking their exact type first keeps flatten cheap (it runs on every call).
+_SCALAR_TYPES = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
+def holds_arrays(value: Any) -> bool:
+    """Whether an attribute value is a pytree child rather than static data."""
+    if type(value) in _SCALAR_TYPES:
+        return False
+    if isinstance(value, (*_ARRAY_TYPES, Module)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(holds_arrays(v) for v in value)
+    if isinstance(value, dict):
+        return any(holds_arrays(v) for v in value.values())
+    if callable(value) or isinstance(value, type):
+        return False
+    # Foreign pytree models (equinox modules, optax states, ...).
+    leaves = jax.tree_util.tree_leaves(value)
+    return not (len(leaves) == 1 and leaves[0] is value) and any(
+        isinstance(leaf, _ARRAY_TYPES) for leaf in leaves
+    )
+
+
+class _Static:
+    """Static attributes of a Module instance, as treedef aux data.
+
+    Equality compares the values, so two models with the same functions and
+    hyperparameters share a compiled function; unhashable static values (a list
+    of strings, say) are allowed and hash by their type only.
+    """
+
+    __slots__ = ("_hash", "items", "names")
+
+    def __init__(self, names: tuple[str, ...], items: tuple[tuple[str, Any], ...]):
+        self.names = names
+        self.items = items
+        h: list[tuple[str, Any]] = []
+        for k, v in items:
+            try:
+                h.append((k, hash(v)))
+            except TypeError:
+                h.append((k, type(v).__name__))
+        self._hash = hash((names, tuple(h)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Static) or other._hash != self._hash:
+            return False
+        if self.names != other.names or len(self.items) != len(other.items):
+            return False
+        for (k1, v1), (k2, v2) in zip(self.items, other.items, strict=True):
+            if k1 != k2 or not (v1 is v2 or _safe_eq(v1, v2)):
+                return False
+        return True
+
+
+def _safe_eq(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _flatten(module: Module) -> tuple[tuple[Any, ...], _Static]:
+    names = []
+    children = []
+    static = []
+    for k, v in module.__dict__.items():
+        if holds_arrays(v):
+            names.append(k)
+            children.append(v)
+        else:
+            static.append((k, v))
+    return tuple(children), _Static(tuple(names), tuple(static))
+
+
+def _flatten_with_keys(module: Module) -> tuple[list[tuple[GetAttrKey, Any]], _Static]:
+    children, aux = _flatten(module)
+    return [(GetAttrKey(k), c) for k, c in zip(aux.names, children, strict=True)], aux
+
+
+def _make_unflatten(cls: type) -> Any:
+    def unflatten(aux: _Static, children: Any) -> Module:
+        obj: Module = object.__new__(cls)
+        d = obj.__dict__
+        d.update(zip(aux.names, children, strict=True))
+        d.update(aux.items)
+        return obj
+
+    return unflatten
+
+
+class Module:
+    """Base class for models: every instance is a mutable JAX pytree.
+
+    Attributes holding arrays, Modules, or lists/tuples/dicts of them are the
+    children of the pytree; everything else (functions, strings, numbers, None)
+    is static data. Subclasses are registered with `jax.tree_util` automatically
+    and may list the attributes the optimiser trains in `__trainable__`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, treegrad as tg
+        >>> class Affine(tg.Module):
+        ...     def __init__(self):
+        ...         self.w = jnp.ones((2, 3))
+        ...         self.b = jnp.zeros(2)
+        ...         self.act = jax.nn.relu
+        ...     def __call__(self, x):
+        ...         return self.act(self.w @ x + self.b)
+        >>> m = Affine()
+        >>> [x.shape for x in jax.tree_util.tree_leaves(m)]
+        [(2, 3), (2,)]
+        >>> m(jnp.ones(3))
+        Array([3., 3.], dtype=float32)
+    """
+
+    __trainable__: ClassVar[tuple[str, ...] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_pytree_with_keys(
+            cls, _flatten_with_keys, _make_unflatten(cls), flatten_func=_flatten
+        )
+
+    def __repr__(self) -> str:
+        return format_tree(self)
+
+    def named_children(self) -> Iterator[tuple[str, Any]]:
+        """Yield `(attribute name, value)` for every pytree child."""
+        children, aux = _flatten(self)
+        yield from zip(aux.names, children, strict=True)
+
+
+jax.tree_util.register_pytree_with_keys(
+    Module, _flatten_with_keys, _make_unflatten(Module), flatten_func=_flatten
+)
+
+
+def trainable_names(module: Module) -> tuple[str, ...] | None:
+    """The attributes of `module` that the optimiser trains (None: all)."""
+    return type(module).__trainable__
+
+
+def format_tree(tree: Any, name: str | None = None) -> str:
+    """Render a model as an indented tree with paths, shapes, dtypes and counts."""
+    lines: list[str] = []
+    _format(tree, name or type(tree).__name__, 0, lines)
+    return "\n".join(lines)
+
+
+def _count(tree: Any) -> int:
+    return sum(
+        int(np.prod(leaf.shape))
+        for leaf in jax.tree_util.tree_leaves(tree)
+        if is_differentiable(leaf)
+    )
+
+
+def _format(node: Any, label: str, depth: int, lines: list[str]) -> None:
+    pad = "  " * depth
+    if isinstance(node, Module):
+        head = label if label == type(node).__name__ else f"{label}: {type(node).__name__}"
+        lines.append(f"{pad}{head}  # {_count(node):,} parameters")
+        for k, v in node.__dict__.items():
+            if holds_arrays(v):
+                _format(v, k, depth + 1, lines)
+            else:
+                lines.append(f"{pad}  {k} = {_short(v)}")
+    elif isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+        lines.append(
+            f"{pad}{label}: {type(node).__name__}[{len(node)}]  # {_count(node):,} parameters"
+        )
+        for i, v in enumerate(node):
+            _format(v, str(i), depth + 1, lines)
+    elif isinstance(node, dict):
+        lines.append(f"{pad}{label}: dict  # {_count(node):,} parameters")
+        for k, v in node.items():
+            _format(v, str(k), depth + 1, lines)
+    elif isinstance(node, _ARRAY_TYPES):
+        lines.append(f"{pad}{label}: {describe_leaf(node)}")
+    else:
+        leaves = jax.tree_util.tree_leaves_with_path(node)
+        if len(leaves) == 1 and leaves[0][1] is node:
+            lines.append(f"{pad}{label} = {_short(node)}")
+            return
+        lines.append(f"{pad}{label}: {type(node).__name__}  # {_count(node):,} parameters")
+        for path, leaf in leaves:
+            key = jax.tree_util.keystr(path, simple=True, separator=".")
+            lines.append(f"{pad}  {key}: {describe_leaf(leaf)}")
+
+
+def _short(value: Any) -> str:
+    name = getattr(value, "__name__", None)
+    if callable(value) and name:
+        return f"<function {name}>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
