@@ -1,5 +1,6 @@
 """treegrad: Flux/Zygote-style gradients on JAX pytrees, in explicit and implicit style."""
 
+from . import losses as losses
 from . import nn as nn
 from ._engine import RetraceWarning as RetraceWarning
 from ._engine import clear_cache as clear_cache
@@ -8,13 +9,27 @@ from ._gradient import hessian as hessian
 from ._gradient import jacobian as jacobian
 from ._gradient import pullback as pullback
 from ._gradient import withgradient as withgradient
+from ._io import load as load
+from ._io import save as save
 from ._jit import jit as jit
 from ._module import Module as Module
+from ._optim import Leaf as Leaf
+from ._optim import adjust as adjust
+from ._optim import adjust_ as adjust_
+from ._optim import destructure as destructure
+from ._optim import freeze_ as freeze_
+from ._optim import setup as setup
+from ._optim import thaw_ as thaw_
+from ._optim import update as update
+from ._optim import update_ as update_
 from ._params import Grads as Grads
 from ._params import NoGradientError as NoGradientError
 from ._params import NoGradientWarning as NoGradientWarning
 from ._params import Params as Params
 from ._params import params as params
+from ._train import NonFiniteLossError as NonFiniteLossError
+from ._train import StepInfo as StepInfo
+from ._train import train as train
 from ._tree import is_differentiable as is_differentiable
 
 __version__ = "0.1.0"

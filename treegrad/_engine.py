@@ -70,7 +70,9 @@ class Flat:
 
     def __init__(self, f: Any, args: tuple[Any, ...]):
         cl_leaves, self.cl_def = jax.tree_util.tree_flatten(capture(f))
-        a_leaves, self.a_def = jax.tree_util.tree_flatten(args)
+        # Functions passed as arguments (a loss handed to a compiled step) are
+        # captured like the function itself, so their arrays are inputs too.
+        a_leaves, self.a_def = jax.tree_util.tree_flatten(tuple(map(capture, args)))
         self.n_cl = len(cl_leaves)
         dyn: list[Any] = []
         statics: list[Any] = []
@@ -227,8 +229,13 @@ class Entry:
             it = iter(dyn)
             leaves = [next(it) if s is DYN else s for s in statics]
             fn = materialize(jax.tree_util.tree_unflatten(cl_def, leaves[:n_cl]))
-            args = jax.tree_util.tree_unflatten(a_def, leaves[n_cl:])
-            out = fn(*args[0], **args[1]) if program == CALL else fn(*args)
+            args = tuple(map(materialize, jax.tree_util.tree_unflatten(a_def, leaves[n_cl:])))
+            if program == CALL:
+                names = options[0]
+                n = len(args) - len(names)
+                out = fn(*args[:n], **dict(zip(names, args[n:], strict=True)))
+            else:
+                out = fn(*args)
             if program in (GRAD, HESSIAN):
                 loss = out[0] if options and options[0] and isinstance(out, tuple) else out
                 loss = scalar_loss(loss, api)

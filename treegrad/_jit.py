@@ -20,11 +20,12 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.__wrapped__
-        flat = E.Flat(fn, (args, kwargs))
-        key = (E.CALL, flat.key)
+        names = tuple(kwargs)
+        flat = E.Flat(fn, (*args, *kwargs.values()))
+        key = (E.CALL, names, flat.key)
         entry = E.lookup(key)
         if entry is None:
-            entry = E.Entry(E.CALL, flat, (), api="tg.jit")
+            entry = E.Entry(E.CALL, flat, (), api="tg.jit", options=(names,))
             E.store(key, entry)
         outs, aux = E.execute(key, entry, flat.dyn, fn)
         return aux.rebuild(outs)

@@ -19,14 +19,14 @@ from jax.tree_util import GetAttrKey
 from ._tree import describe_leaf, is_differentiable
 
 _ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
-# Python scalars, strings, functions and None are the common static attributes;
+# Python scalars, strings and functions are the common static attributes;
 # checking their exact type first keeps flatten cheap (it runs on every call).
-_SCALAR_TYPES = frozenset({int, float, complex, bool, str, bytes, type(None)})
+_SCALAR_TYPES = frozenset({int, float, complex, bool, str, bytes})
 
 
 def holds_arrays(value: Any) -> bool:
-    """Whether an attribute value is a pytree child rather than static data."""
-    if type(value) in _SCALAR_TYPES:
+    """Whether a value holds arrays (and so is a pytree child, not static data)."""
+    if type(value) in _SCALAR_TYPES or value is None:
         return False
     if isinstance(value, (*_ARRAY_TYPES, Module)):
         return True
@@ -92,7 +92,10 @@ def _flatten(module: Module) -> tuple[tuple[Any, ...], _Static]:
     children = []
     static = []
     for k, v in module.__dict__.items():
-        if holds_arrays(v):
+        # None is a child (an empty subtree) rather than static data, so that a
+        # gradient tree, which has None where the model has a non-differentiable
+        # array, keeps the model's structure.
+        if v is None or holds_arrays(v):
             names.append(k)
             children.append(v)
         else:
