@@ -130,7 +130,7 @@ class _Plan:
         m_leaves, m_def = jax.tree_util.tree_flatten(model, is_leaf=is_none)
         s_leaves, s_def = jax.tree_util.tree_flatten(state, is_leaf=_is_leaf_state)
         g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
-        if not g_def == m_def:
+        if g_def != m_def:  # type: ignore[operator]
             raise ValueError(_mismatch(api, "gradient", model, grads))
         if len(s_leaves) != len(m_leaves):
             raise ValueError(_mismatch(api, "optimiser state", model, state))
