@@ -156,9 +156,17 @@ jax.tree_util.register_pytree_node(Captured, _flatten, _unflatten)
 _MISSING = object()
 
 
+_LIBRARY_MODULES: dict[Any, bool] = {}
+
+
 def _is_library(fn: Any) -> bool:
     mod = getattr(fn, "__module__", None)
-    return not isinstance(mod, str) or mod.partition(".")[0] in _LIBRARY_ROOTS
+    r = _LIBRARY_MODULES.get(mod)
+    if r is None:
+        r = _LIBRARY_MODULES[mod] = (
+            not isinstance(mod, str) or mod.partition(".")[0] in _LIBRARY_ROOTS
+        )
+    return r
 
 
 def _is_jitted(obj: Any) -> bool:
@@ -183,6 +191,34 @@ def _walkable_object(obj: Any) -> bool:
     return kind
 
 
+_PASS, _FUNCTION, _CONTAINER, _METHOD, _PARTIAL, _JITTED, _OBJECT = range(7)
+# What to do with a value, decided once per type: the walk runs on every call,
+# and type dispatch keeps it to one dict lookup for the common leaves.
+_TYPE_KIND: dict[type, int] = {t: _PASS for t in (int, float, bool, str, bytes, type(None))}
+
+
+def _type_kind(obj: Any) -> int:
+    t = type(obj)
+    if t is types.FunctionType:
+        kind = _FUNCTION
+    elif isinstance(obj, (jax.Array, *_OPAQUE_TYPES)):
+        kind = _PASS
+    elif t in _MUTABLE_CONTAINERS:
+        kind = _CONTAINER
+    elif t is types.MethodType:
+        kind = _METHOD
+    elif isinstance(obj, functools.partial):
+        kind = _PARTIAL
+    elif _is_jitted(obj):
+        kind = _JITTED
+    elif _walkable_object(obj):
+        kind = _OBJECT
+    else:
+        kind = _PASS
+    _TYPE_KIND[t] = kind
+    return kind
+
+
 def capture(obj: Any, _stack: frozenset[int] = frozenset(), _depth: int = 0) -> Any:
     """Convert a callable (or a value it reads) into a pytree of what it captures.
 
@@ -194,33 +230,36 @@ def capture(obj: Any, _stack: frozenset[int] = frozenset(), _depth: int = 0) -> 
         >>> [leaf is W for leaf in leaves if isinstance(leaf, jax.Array)]
         [True]
     """
-    if isinstance(obj, types.FunctionType):
+    kind = _TYPE_KIND.get(type(obj))
+    if kind is None:
+        kind = _type_kind(obj)
+    if kind == _PASS:
+        return obj
+    if kind == _FUNCTION:
         if _is_library(obj) or id(obj) in _stack:
             return obj
         return _capture_function(obj, _stack | {id(obj)}, _depth)
-    if isinstance(obj, (jax.Array, *_OPAQUE_TYPES)) or obj is None:
-        return obj
-    if type(obj) in _MUTABLE_CONTAINERS and not holds_arrays(obj):
-        return ById(obj)
-    if isinstance(obj, types.MethodType):
+    if kind == _CONTAINER:
+        return obj if holds_arrays(obj) else ById(obj)
+    if kind == _METHOD:
         self_ = capture(obj.__self__, _stack, _depth)
         func = capture(obj.__func__, _stack, _depth)
         return Captured("method", _Spec(obj, ()), (self_, func))
-    if isinstance(obj, functools.partial):
+    if kind == _PARTIAL:
         parts = (
             capture(obj.func, _stack, _depth),
             tuple(capture(a, _stack, _depth) for a in obj.args),
             {k: capture(v, _stack, _depth) for k, v in obj.keywords.items()},
         )
         return Captured("partial", _Spec(obj, ()), parts)
-    if _is_jitted(obj) and isinstance(obj.__wrapped__, types.FunctionType):
+    if kind == _JITTED and isinstance(obj.__wrapped__, types.FunctionType):
         inner = obj.__wrapped__
         if _is_library(inner) or id(inner) in _stack:
             return obj
         # Inlined while tracing: the outer jit compiles it anyway, and unwrapping
         # lets the arrays the helper captures become inputs like any other.
         return Captured("jitted", _Spec(obj, ()), (capture(inner, _stack, _depth),))
-    if _depth < 4 and _walkable_object(obj):
+    if kind == _OBJECT and _depth < 4:
         items = tuple(obj.__dict__.items())
         keys = tuple(k for k, _ in items)
         values = tuple(capture(v, _stack, _depth + 1) for _, v in items)

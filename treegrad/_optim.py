@@ -23,14 +23,19 @@ import jax.flatten_util
 import jax.numpy as jnp
 import optax
 
-from ._module import Module
+from ._module import register_child_type
 from ._params import Grads, Params, trainable_leaves_with_path
 from ._paths import set_at
 from ._tree import first_difference, is_differentiable, is_none
 
 
-class Leaf(Module):
-    """The optimiser state of one parameter: its optax rule and that rule's state."""
+class Leaf:
+    """The optimiser state of one parameter: its optax rule and that rule's state.
+
+    A pytree whose only child is `state`; `rule` and `frozen` are static.
+    """
+
+    __slots__ = ("frozen", "rule", "state")
 
     def __init__(self, rule: optax.GradientTransformation, state: Any, frozen: bool = False):
         self.rule = rule
@@ -40,6 +45,15 @@ class Leaf(Module):
     def __repr__(self) -> str:
         frozen = ", frozen" if self.frozen else ""
         return f"Leaf({_rule_name(self.rule)}{frozen})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    Leaf,
+    lambda leaf: (((jax.tree_util.GetAttrKey("state"), leaf.state),), (leaf.rule, leaf.frozen)),
+    lambda aux, children: Leaf(aux[0], next(iter(children)), aux[1]),
+    flatten_func=lambda leaf: ((leaf.state,), (leaf.rule, leaf.frozen)),
+)
+register_child_type(Leaf)
 
 
 def _rule_name(rule: Any) -> str:

@@ -1,0 +1,338 @@
+"""`treegrad bench`: one Adam step of an MLP, side by side with hand-written JAX.
+
+Every system trains the same MLP on the same batch in one process. Repetitions
+are interleaved (system A, B, C, then again), each timing `steps` steps to
+completion; the table reports the median per-step time, its spread (min-max
+over repetitions) and the ratio of medians to the hand-written fused step.
+Anchor libraries (equinox, flax, torch) run when installed, else are skipped
+with a note.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SIZES: dict[str, tuple[list[int], int]] = {
+    "tiny": ([16, 32, 32, 4], 32),
+    "deep": ([32] * 18, 32),
+    "wide": ([256, 1024, 1024, 10], 512),
+}
+LR = 1e-3
+
+
+def _init(sizes: list[int], key: Any) -> list[dict[str, Any]]:
+    out = []
+    for a, b in itertools.pairwise(sizes):
+        key, k = jax.random.split(key)
+        out.append({"w": jax.random.normal(k, (b, a)) / jnp.sqrt(a), "b": jnp.zeros(b)})
+    return out
+
+
+def _forward(ps: list[dict[str, Any]], x: Any) -> Any:
+    for layer in ps[:-1]:
+        x = jax.nn.relu(x @ layer["w"].T + layer["b"])
+    return x @ ps[-1]["w"].T + ps[-1]["b"]
+
+
+def _loss(ps: Any, x: Any, y: Any) -> Any:
+    return jnp.mean((_forward(ps, x) - y) ** 2)
+
+
+def _tg_model(sizes: list[int], key: Any) -> Any:
+    from . import nn
+
+    keys = jax.random.split(key, len(sizes) - 1)
+    layers = [
+        nn.Dense(a, b, jax.nn.relu if i < len(sizes) - 2 else None, key=k)
+        for i, (a, b, k) in enumerate(zip(sizes[:-1], sizes[1:], keys, strict=True))
+    ]
+    return nn.Chain(*layers)
+
+
+def _tg_loss(m: Any, x: Any, y: Any) -> Any:
+    return jnp.mean((m(x) - y) ** 2)
+
+
+Runner = Callable[[int], None]
+
+
+def _systems(sizes: list[int], batch: int) -> tuple[dict[str, Runner], list[str], dict[str, int]]:
+    import treegrad as tg
+
+    key = jax.random.key(0)
+    x = jax.random.normal(jax.random.key(1), (batch, sizes[0]))
+    y = jax.random.normal(jax.random.key(2), (batch, sizes[-1]))
+    opt = optax.adam(LR)
+    systems: dict[str, Runner] = {}
+    notes: list[str] = []
+    traces = {"naive": 0, "implicit": 0}
+
+    ps0 = _init(sizes, key)
+
+    @jax.jit
+    def fused(ps: Any, st: Any, x: Any, y: Any) -> Any:
+        loss, g = jax.value_and_grad(_loss)(ps, x, y)
+        u, st = opt.update(g, st, ps)
+        return optax.apply_updates(ps, u), st, loss
+
+    vg = jax.jit(jax.value_and_grad(_loss))
+
+    @jax.jit
+    def apply(ps: Any, st: Any, g: Any) -> Any:
+        u, st = opt.update(g, st, ps)
+        return optax.apply_updates(ps, u), st
+
+    # Each runner keeps its own model and state between repetitions in `s`.
+    def hand_fused(n: int, s: list[Any] = [ps0, opt.init(ps0)]) -> None:  # noqa: B006, B008
+        ps, st = s
+        for _ in range(n):
+            ps, st, _loss_v = fused(ps, st, x, y)
+        jax.block_until_ready(ps)
+        s[:] = [ps, st]
+
+    def hand_two(n: int, s: list[Any] = [ps0, opt.init(ps0)]) -> None:  # noqa: B006, B008
+        ps, st = s
+        for _ in range(n):
+            _l, g = vg(ps, x, y)
+            ps, st = apply(ps, st, g)
+        jax.block_until_ready(ps)
+        s[:] = [ps, st]
+
+    systems["jax.jit fused (hand-written)"] = hand_fused
+    systems["jax two-call (hand-written)"] = hand_two
+
+    m0 = _tg_model(sizes, key)
+
+    @tg.jit
+    def tg_step(state: Any, m: Any, x: Any, y: Any) -> Any:
+        loss, (g,) = tg.withgradient(lambda m: _tg_loss(m, x, y), m)
+        state, m = tg.update(state, m, g)
+        return state, m, loss
+
+    def tg_jit(n: int, s: list[Any] = [tg.setup(opt, m0), m0]) -> None:  # noqa: B006, B008
+        st, m = s
+        for _ in range(n):
+            st, m, _l = tg_step(st, m, x, y)
+        jax.block_until_ready(m)
+        s[:] = [st, m]
+
+    def counted(m: Any, x: Any, y: Any) -> Any:
+        traces["naive"] += 1
+        return _tg_loss(m, x, y)
+
+    def tg_naive(n: int, s: list[Any] = [tg.setup(opt, m0), m0]) -> None:  # noqa: B006, B008
+        st, m = s
+        for _ in range(n):
+            _l, (g,) = tg.withgradient(lambda m: counted(m, x, y), m)
+            st, m = tg.update(st, m, g)
+        jax.block_until_ready(m)
+        s[:] = [st, m]
+
+    m_imp = jax.tree_util.tree_map(lambda a: a, m0)
+    ps = tg.params(m_imp)
+    st_imp = tg.setup(opt, ps)
+
+    def counted_implicit() -> Any:
+        traces["implicit"] += 1
+        return _tg_loss(m_imp, x, y)
+
+    def tg_implicit(n: int) -> None:
+        for _ in range(n):
+            grads = tg.gradient(lambda: counted_implicit(), ps)
+            tg.update_(st_imp, ps, grads)
+        jax.block_until_ready(m_imp)
+
+    systems["tg.jit step"] = tg_jit
+    systems["tg naive loop (new lambda/step)"] = tg_naive
+    systems["tg implicit loop"] = tg_implicit
+    _anchors(systems, notes, sizes, x, y, opt)
+    return systems, notes, traces
+
+
+def _anchors(
+    systems: dict[str, Runner], notes: list[str], sizes: list[int], x: Any, y: Any, opt: Any
+) -> None:
+    try:
+        import equinox as eqx
+
+        model = eqx.nn.MLP(sizes[0], sizes[-1], sizes[1], len(sizes) - 2, key=jax.random.key(0))
+
+        @eqx.filter_jit
+        def eqx_step(m: Any, st: Any, x: Any, y: Any) -> Any:
+            loss, g = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(m)
+            u, st = opt.update(g, st, eqx.filter(m, eqx.is_array))
+            return eqx.apply_updates(m, u), st, loss
+
+        eqx_state = [model, opt.init(eqx.filter(model, eqx.is_array))]
+
+        def run_eqx(n: int, s: list[Any] = eqx_state) -> None:
+            m, st = s
+            for _ in range(n):
+                m, st, _l = eqx_step(m, st, x, y)
+            jax.block_until_ready(eqx.filter(m, eqx.is_array))
+            s[:] = [m, st]
+
+        systems["equinox filter_jit fused"] = run_eqx
+    except ImportError:
+        notes.append("equinox not installed: skipped (pip install -e '.[bench]')")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        layers: list[Any] = []
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+            layers.append(torch.nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(torch.nn.ReLU())
+        net = torch.nn.Sequential(*layers)
+        topt = torch.optim.Adam(net.parameters(), lr=LR)
+        tx = torch.tensor(jax.device_get(x))
+        ty = torch.tensor(jax.device_get(y))
+
+        def run_torch(n: int) -> None:
+            for _ in range(n):
+                topt.zero_grad()
+                loss = ((net(tx) - ty) ** 2).mean()
+                loss.backward()
+                topt.step()
+
+        systems["PyTorch eager (CPU)"] = run_torch
+    except ImportError:
+        notes.append("torch not installed: skipped")
+
+
+def measure(
+    sizes: list[int], batch: int, steps: int, repeats: int
+) -> tuple[dict[str, list[float]], list[str], dict[str, int]]:
+    systems, notes, traces = _systems(sizes, batch)
+    for run in systems.values():
+        run(3)  # compile and warm up
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, run in systems.items():
+            t = time.perf_counter()
+            run(steps)
+            times[name].append((time.perf_counter() - t) / steps)
+    return times, notes, traces
+
+
+def first_call(sizes: list[int], batch: int) -> dict[str, float]:
+    """Seconds from a cold cache to the first result: trace + compile + run."""
+    import treegrad as tg
+
+    tg.clear_cache()
+    x = jax.random.normal(jax.random.key(1), (batch, sizes[0]))
+    y = jax.random.normal(jax.random.key(2), (batch, sizes[-1]))
+    opt = optax.adam(LR)
+    ps = _init(sizes, jax.random.key(0))
+    st = opt.init(ps)
+
+    def fused(ps: Any, st: Any, x: Any, y: Any) -> Any:
+        loss, g = jax.value_and_grad(_loss)(ps, x, y)
+        u, st = opt.update(g, st, ps)
+        return optax.apply_updates(ps, u), st, loss
+
+    t = time.perf_counter()
+    jax.block_until_ready(jax.jit(fused)(ps, st, x, y))
+    plain = time.perf_counter() - t
+    m = _tg_model(sizes, jax.random.key(0))
+    tst = tg.setup(opt, m)
+
+    def step(state: Any, m: Any, x: Any, y: Any) -> Any:
+        loss, (g,) = tg.withgradient(lambda m: _tg_loss(m, x, y), m)
+        state, m = tg.update(state, m, g)
+        return state, m, loss
+
+    t = time.perf_counter()
+    jax.block_until_ready(tg.jit(step)(tst, m, x, y))
+    ours = time.perf_counter() - t
+    return {"jax.jit": plain, "tg.jit": ours}
+
+
+def format_table(title: str, times: dict[str, list[float]]) -> str:
+    base = statistics.median(times["jax.jit fused (hand-written)"])
+    two = statistics.median(times["jax two-call (hand-written)"])
+    lines = [
+        title,
+        f"{'system':<34} {'median us/step':>15} {'spread':>17} {'vs fused':>9} {'vs two-call':>12}",
+    ]
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        spread = f"{1e6 * min(ts):.1f}-{1e6 * max(ts):.1f}"
+        lines.append(
+            f"{name:<34} {1e6 * med:>15.1f} {spread:>17} {med / base:>9.2f} {med / two:>12.2f}"
+        )
+    return "\n".join(lines)
+
+
+def leaf_sweep(depths: list[int], steps: int, repeats: int) -> dict[str, list[tuple[int, float]]]:
+    """Per-step overhead over the hand-written two-call loop, by number of leaves."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for depth in depths:
+        sizes = [8] * (depth + 1)
+        times, _, _ = measure(sizes, 8, steps, repeats)
+        two = statistics.median(times["jax two-call (hand-written)"])
+        for name, ts in times.items():
+            out.setdefault(name, []).append((2 * depth, statistics.median(ts) - two))
+    return out
+
+
+def main(
+    steps: int = 200, repeats: int = 5, sizes: list[str] | None = None, plot: str | None = None
+) -> int:
+    print(
+        f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
+        f"devices {jax.devices()}"
+    )
+    for size in sizes or ["tiny", "deep"]:
+        layer_sizes, batch = SIZES[size]
+        times, notes, traces = measure(layer_sizes, batch, steps, repeats)
+        print()
+        print(
+            format_table(
+                f"{size}: MLP {'-'.join(map(str, layer_sizes))}, batch {batch}, Adam", times
+            )
+        )
+        print(
+            f"traces of the loss: naive loop {traces['naive']}, implicit loop {traces['implicit']}"
+        )
+        fc = first_call(layer_sizes, batch)
+        print(
+            f"first call (trace+compile+run): jax.jit {fc['jax.jit']:.3f}s, "
+            f"tg.jit {fc['tg.jit']:.3f}s (ratio {fc['tg.jit'] / fc['jax.jit']:.2f})"
+        )
+        for note in notes:
+            print("note:", note)
+    if plot:
+        sweep = leaf_sweep([5, 25, 100, 500], max(10, steps // 10), 3)
+        _plot_sweep(sweep, plot)
+    return 0
+
+
+def _plot_sweep(sweep: dict[str, list[tuple[int, float]]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, pts in sweep.items():
+        if "two-call" in name:
+            continue
+        ax.plot([p[0] for p in pts], [1e6 * p[1] for p in pts], "o-", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("number of parameter arrays (leaves)")
+    ax.set_ylabel("us/step over hand-written two-call")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"overhead plot written to {path}")

@@ -1,0 +1,48 @@
+"""Small datasets that ship inside treegrad, so examples run offline.
+
+Example:
+    >>> from treegrad import datasets
+    >>> x, y = datasets.digits()
+    >>> x.shape, y.shape, int(y.max())
+    ((1797, 64), (1797,), 9)
+"""
+
+from __future__ import annotations
+
+import gzip
+from importlib import resources
+
+import numpy as np
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 handwritten digits (UCI Optdigits test set, 8x8 pixels).
+
+    Returns:
+        `(x, y)`: `x` float32 of shape `(1797, 64)` scaled to [0, 1], `y` int32
+        labels 0-9. See `treegrad/data/README.md` for the source and licence.
+    """
+    raw = resources.files("treegrad").joinpath("data/digits.csv.gz").read_bytes()
+    table = np.loadtxt(gzip.decompress(raw).decode().splitlines(), delimiter=",", dtype=np.float32)
+    return table[:, :-1] / 16.0, table[:, -1].astype(np.int32)
+
+
+def split(
+    x: np.ndarray, y: np.ndarray, test_fraction: float = 0.2, seed: int = 0
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Shuffle and split into `(train, test)` pairs."""
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = int(len(x) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+def batches(
+    x: np.ndarray, y: np.ndarray, size: int, seed: int = 0
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Shuffled minibatches of exactly `size` examples (the remainder is dropped)."""
+    order = np.random.default_rng(seed).permutation(len(x))
+    n = len(x) // size
+    return [
+        (x[order[i * size : (i + 1) * size]], y[order[i * size : (i + 1) * size]]) for i in range(n)
+    ]
