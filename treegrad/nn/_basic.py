@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +84,19 @@ class Chain(Module):
         ((3, 1), 2, 'Chain')
     """
 
+    takes_key: ClassVar[bool] = True
+
     def __init__(self, *layers: Any):
         self.layers = list(layers)
 
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: Any, *, key: Any = None) -> Any:
+        """Apply the layers; `key` is split among layers that take one (Dropout)."""
         for layer in self.layers:
-            x = layer(x)
+            if key is not None and getattr(type(layer), "takes_key", False):
+                key, sub = jax.random.split(key)
+                x = layer(x, key=sub)
+            else:
+                x = layer(x)
         return x
 
     def __getitem__(self, i: int | slice) -> Any:
@@ -105,3 +112,96 @@ class Chain(Module):
 
     def __str__(self) -> str:
         return "Chain(" + ", ".join(str(layer) for layer in self.layers) + ")"
+
+
+class Embedding(Module):
+    """A lookup table: integer indices to rows of `weight` (shape `(vocab, features)`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from treegrad import nn
+        >>> emb = nn.Embedding(10, 4, key=jax.random.key(0))
+        >>> emb(jnp.array([1, 2, 3])).shape
+        (3, 4)
+    """
+
+    __trainable__ = ("weight",)
+
+    def __init__(self, vocab_size: int, features: int, *, key: Any, dtype: Any = jnp.float32):
+        self.weight = jax.random.normal(key, (vocab_size, features), dtype)
+        self.vocab_size = vocab_size
+        self.features = features
+
+    def __call__(self, idx: Any) -> Any:
+        idx = jnp.asarray(idx)
+        if not jnp.issubdtype(idx.dtype, jnp.integer):
+            raise TypeError(f"{self}: expected integer indices, got dtype {idx.dtype}")
+        return self.weight[idx]
+
+    def __str__(self) -> str:
+        return f"Embedding({self.vocab_size} => {self.features})"
+
+
+class Dropout(Module):
+    """Zero each element with probability `rate` and scale the rest by `1/(1-rate)`.
+
+    Active only in training mode (the default) and given a PRNG key; in test
+    mode (`nn.testmode(model)`) it is the identity.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from treegrad import nn
+        >>> d = nn.Dropout(0.5)
+        >>> y = d(jnp.ones(1000), key=jax.random.key(0))
+        >>> 0.4 < float(jnp.mean(y == 0)) < 0.6, float(jnp.max(y))
+        (True, 2.0)
+        >>> nn.testmode(d)(jnp.ones(3))
+        Array([1., 1., 1.], dtype=float32)
+    """
+
+    takes_key: ClassVar[bool] = True
+
+    def __init__(self, rate: float, *, training: bool = True):
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
+        self.rate = rate
+        self.training = training
+
+    def __call__(self, x: Any, *, key: Any = None) -> Any:
+        if not self.training or self.rate == 0.0:
+            return x
+        if key is None:
+            raise ValueError(
+                f"{self} is in training mode and needs a PRNG key: call it as layer(x, key=key), "
+                "or switch to test mode with nn.testmode(model)."
+            )
+        keep = jax.random.bernoulli(key, 1.0 - self.rate, jnp.shape(x))
+        return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros((), jnp.result_type(x)))
+
+    def __str__(self) -> str:
+        return f"Dropout({self.rate})"
+
+
+def _set_mode(node: Any, training: bool) -> Any:
+    if isinstance(node, Module):
+        new = object.__new__(type(node))
+        for k, v in node.__dict__.items():
+            setattr(new, k, training if k == "training" else _set_mode(v, training))
+        return new
+    if type(node) is list:
+        return [_set_mode(v, training) for v in node]
+    if type(node) is tuple:
+        return tuple(_set_mode(v, training) for v in node)
+    if type(node) is dict:
+        return {k: _set_mode(v, training) for k, v in node.items()}
+    return node
+
+
+def testmode(model: Any) -> Any:
+    """A copy of `model` with every layer in test mode (Dropout off, BatchNorm running stats)."""
+    return _set_mode(model, False)
+
+
+def trainmode(model: Any) -> Any:
+    """A copy of `model` with every layer in training mode."""
+    return _set_mode(model, True)

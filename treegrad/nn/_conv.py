@@ -1,0 +1,95 @@
+"""Convolutions over one or two spatial axes, channels last (NWC / NHWC)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._module import Module
+
+_DIMS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
+
+
+class Conv(Module):
+    """A 1-D or 2-D convolution, channels last.
+
+    Arguments:
+        kernel_size: an int (1-D) or a tuple of one or two ints.
+        in_channels, out_channels: channel counts.
+        activation: applied to the output (default identity).
+        key: PRNG key for the Glorot-uniform kernel.
+        stride, dilation: per spatial axis (int or tuple).
+        padding: "SAME", "VALID", an int, or a sequence of (low, high) pairs.
+
+    Input `(batch, *spatial, in_channels)` (the batch axis is optional);
+    `weight` has shape `(*kernel_size, in_channels, out_channels)`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from treegrad import nn
+        >>> conv = nn.Conv((3, 3), 1, 8, jax.nn.relu, key=jax.random.key(0), padding="SAME")
+        >>> conv(jnp.ones((2, 28, 28, 1))).shape
+        (2, 28, 28, 8)
+    """
+
+    __trainable__ = ("weight", "bias")
+
+    def __init__(
+        self,
+        kernel_size: int | Sequence[int],
+        in_channels: int,
+        out_channels: int,
+        activation: Callable[[Any], Any] | None = None,
+        *,
+        key: Any,
+        stride: int | Sequence[int] = 1,
+        padding: str | int | Sequence[tuple[int, int]] = "VALID",
+        dilation: int | Sequence[int] = 1,
+        use_bias: bool = True,
+        dtype: Any = jnp.float32,
+    ):
+        ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+        if len(ks) not in _DIMS:
+            raise ValueError(f"Conv supports 1-D and 2-D kernels, got kernel_size={kernel_size}")
+        n = len(ks)
+        self.kernel_size = ks
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.stride = (stride,) * n if isinstance(stride, int) else tuple(stride)
+        self.dilation = (dilation,) * n if isinstance(dilation, int) else tuple(dilation)
+        self.padding = ((padding, padding),) * n if isinstance(padding, int) else padding
+        init = jax.nn.initializers.glorot_uniform(in_axis=-2, out_axis=-1)
+        self.weight = init(key, (*ks, in_channels, out_channels), dtype)
+        self.bias = jnp.zeros((out_channels,), dtype) if use_bias else None
+        self.activation = activation
+
+    def __call__(self, x: Any) -> Any:
+        n = len(self.kernel_size)
+        shape: tuple[int, ...] = tuple(getattr(x, "shape", ()))
+        if len(shape) not in (n + 1, n + 2) or shape[-1] != self.in_channels:
+            raise ValueError(
+                f"{self}: expected input of shape (batch, {n} spatial axes, {self.in_channels}) "
+                f"or without the batch axis, got shape {shape}."
+            )
+        unbatched = len(shape) == n + 1
+        if unbatched:
+            x = x[None]
+        y = jax.lax.conv_general_dilated(
+            x,
+            self.weight,
+            window_strides=self.stride,
+            padding=self.padding,
+            rhs_dilation=self.dilation,
+            dimension_numbers=_DIMS[n],
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        if self.activation is not None:
+            y = self.activation(y)
+        return y[0] if unbatched else y
+
+    def __str__(self) -> str:
+        return f"Conv({self.kernel_size}, {self.in_channels} => {self.out_channels})"
