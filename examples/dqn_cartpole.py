@@ -145,7 +145,7 @@ def main(iterations: int = 12, steps: int = 300, verbose: bool = True) -> dict[s
             buffers[style] = (
                 batch
                 if old is None
-                else tuple(jnp.concatenate([o, b])[-8192:] for o, b in zip(old, batch))
+                else tuple(jnp.concatenate([o, b])[-8192:] for o, b in zip(old, batch, strict=True))
             )
             if style == "implicit":
                 losses = train_implicit(agent, buffers[style], steps)
@@ -157,7 +157,8 @@ def main(iterations: int = 12, steps: int = 300, verbose: bool = True) -> dict[s
         if verbose:
             print(
                 f"iteration {it:2d} (epsilon {epsilon:.2f}): greedy episode length "
-                f"implicit {history['greedy_implicit'][-1]:6.1f}, explicit {history['greedy_explicit'][-1]:6.1f}"
+                f"implicit {history['greedy_implicit'][-1]:6.1f}, "
+                f"explicit {history['greedy_explicit'][-1]:6.1f}"
             )
     return history
 
