@@ -181,8 +181,49 @@ def _anchors(
             s[:] = [m, st]
 
         systems["equinox filter_jit fused"] = run_eqx
-    except ImportError:
-        notes.append("equinox not installed: skipped (pip install -e '.[bench]')")
+    except Exception as e:
+        notes.append(
+            f"equinox skipped ({type(e).__name__}: {str(e)[:80]}; pip install -e '.[bench]')"
+        )
+    try:
+        from flax import nnx
+
+        class NnxMLP(nnx.Module):
+            def __init__(self, sizes: list[int], rngs: Any):
+                self.layers = nnx.List(
+                    [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)]
+                )
+
+            def __call__(self, x: Any) -> Any:
+                for layer in self.layers[:-1]:
+                    x = jax.nn.relu(layer(x))
+                return self.layers[-1](x)
+
+        nnx_model = NnxMLP(sizes, nnx.Rngs(0))
+        nnx_opt = nnx.Optimizer(nnx_model, opt, wrt=nnx.Param)
+
+        @nnx.jit
+        def nnx_step(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
+            loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            optimizer.update(model, g)
+            return loss
+
+        cached = nnx.cached_partial(nnx_step, nnx_model, nnx_opt)
+
+        def run_nnx(n: int) -> None:
+            for _ in range(n):
+                loss = nnx_step(nnx_model, nnx_opt, x, y)
+            jax.block_until_ready(loss)
+
+        def run_cached(n: int) -> None:
+            for _ in range(n):
+                loss = cached(x, y)
+            jax.block_until_ready(loss)
+
+        systems["flax nnx.jit"] = run_nnx
+        systems["flax nnx.cached_partial"] = run_cached
+    except Exception as e:  # missing, or an API this version lacks: a note, never a crash
+        notes.append(f"flax nnx skipped ({type(e).__name__}: {str(e)[:80]})")
     try:
         import torch
 
@@ -205,8 +246,8 @@ def _anchors(
                 topt.step()
 
         systems["PyTorch eager (CPU)"] = run_torch
-    except ImportError:
-        notes.append("torch not installed: skipped")
+    except Exception as e:
+        notes.append(f"torch skipped ({type(e).__name__}: {str(e)[:80]})")
 
 
 def measure(

@@ -74,16 +74,14 @@ class Flat:
         # captured like the function itself, so their arrays are inputs too.
         a_leaves, self.a_def = jax.tree_util.tree_flatten(tuple(map(capture, args)))
         self.n_cl = len(cl_leaves)
-        dyn: list[Any] = []
-        statics: list[Any] = []
-        for leaf in cl_leaves + a_leaves if a_leaves else cl_leaves:
-            if isinstance(leaf, _ARRAY_TYPES):
-                dyn.append(leaf)
-                statics.append(DYN)
-            else:
-                statics.append(leaf)
-        self.dyn = dyn
-        self.statics = tuple(statics)
+        leaves = cl_leaves + a_leaves if a_leaves else cl_leaves
+        is_array = _IS_ARRAY
+        try:
+            mask = [is_array[type(leaf)] for leaf in leaves]
+        except KeyError:
+            mask = [_is_array_type(leaf) for leaf in leaves]
+        self.dyn = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
+        self.statics = tuple([DYN if m else leaf for leaf, m in zip(leaves, mask, strict=True)])
         try:
             hash(self.statics)
             key: Any = self.statics
@@ -94,6 +92,19 @@ class Flat:
 
     def n_closure_dyn(self) -> int:
         return sum(1 for s in self.statics[: self.n_cl] if s is DYN)
+
+
+# Whether a leaf type is an array (a dynamic input), memoised per type: the
+# isinstance check against jax.Array goes through an ABC hook costing ~0.3us.
+_IS_ARRAY: dict[type, bool] = {}
+
+
+def _is_array_type(leaf: Any) -> bool:
+    t = type(leaf)
+    r = _IS_ARRAY.get(t)
+    if r is None:
+        r = _IS_ARRAY[t] = isinstance(leaf, _ARRAY_TYPES)
+    return r
 
 
 def _hashable(x: Any) -> bool:
@@ -121,6 +132,35 @@ class _Aux:
 
 
 jax.tree_util.register_pytree_node(_Aux, lambda a: ((), a), lambda a, _: a)
+
+
+class Packed:
+    """A traced function's output as returned by `jax.jit`.
+
+    When every leaf of the output is an array, the output tree itself is the
+    payload (jax rebuilds it in C++); otherwise the arrays travel flat and the
+    static leaves ride in `aux`.
+    """
+
+    __slots__ = ("aux", "payload")
+
+    def __init__(self, payload: Any, aux: _Aux | None):
+        self.payload = payload
+        self.aux = aux
+
+    def value(self) -> Any:
+        return self.payload if self.aux is None else self.aux.rebuild(self.payload)
+
+
+jax.tree_util.register_pytree_node(
+    Packed, lambda p: ((p.payload,), p.aux), lambda a, c: Packed(c[0], a)
+)
+
+
+def pack(aux: _Aux, arrays: Sequence[Any]) -> Packed:
+    if all(s is DYN for s in aux.statics):
+        return Packed(aux.rebuild(arrays), None)
+    return Packed(list(arrays), aux)
 
 
 def split_output(out: Any) -> tuple[list[Any], _Aux]:
@@ -200,7 +240,7 @@ def _check_constants(
 class Entry:
     """One compiled program for one cache key."""
 
-    __slots__ = ("api", "flat", "jitted", "n_cl_dyn", "options", "program", "slots", "state", "wrt")
+    __slots__ = ("api", "explicit", "flat", "jitted", "options", "program", "slots", "state", "wrt")
 
     def __init__(
         self,
@@ -219,6 +259,9 @@ class Entry:
         self.api = api
         self.slots = slots
         self.options = options
+        # Explicit mode: results come back as trees shaped like the arguments,
+        # built while tracing so that jax rebuilds them in C++ on each call.
+        self.explicit = slots is None and program != CALL
         self.state = _State()
         cl_def, a_def, statics, n_cl = flat.cl_def, flat.a_def, flat.statics, flat.n_cl
         state = self.state
@@ -265,6 +308,13 @@ class Entry:
 
         self.jitted = jax.jit(pure)
 
+    def arg_trees(self, values: Sequence[Any]) -> Any:
+        """One value per dynamic argument leaf, placed in the arguments' structure."""
+        flat = self.flat
+        it = iter(values)
+        leaves = [next(it) if s is DYN else None for s in flat.statics[flat.n_cl :]]
+        return jax.tree_util.tree_unflatten(flat.a_def, leaves)
+
     @property
     def cacheable(self) -> bool:
         return not self.state.hidden and not self.state.transient
@@ -288,7 +338,8 @@ def _grad_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]
     else:
         outs = run(*dyn)
         by_pos = {}
-    return (outs[1:], aux), tuple(by_pos.get(i) for i in entry.wrt)
+    grads = tuple(by_pos.get(i) for i in entry.wrt)
+    return pack(aux, outs[1:]), entry.arg_trees(grads) if entry.explicit else grads
 
 
 def _expand(positions: tuple[int | None, ...], vjp: Any, dy: Any) -> tuple[Any, ...]:
@@ -328,7 +379,8 @@ def _jacobian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[
         else ()
     )
     by_pos = dict(zip(active, jacs, strict=True))
-    return tuple(by_pos.get(i) for i in entry.wrt)
+    result = tuple(by_pos.get(i) for i in entry.wrt)
+    return entry.arg_trees(result) if entry.explicit else result
 
 
 def _hessian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
@@ -365,7 +417,7 @@ def _hessian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[A
 
 
 def _call_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    return run(*dyn), aux
+    return pack(aux, run(*dyn))
 
 
 _PROGRAMS: dict[str, Callable[..., Any]] = {

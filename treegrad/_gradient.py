@@ -43,29 +43,23 @@ def _explicit_entry(
     return key, entry, flat
 
 
-def _arg_trees(flat: E.Flat, values: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Place one value per dynamic argument leaf back into the arguments' structure."""
-    it = iter(values)
-    leaves = [next(it) if s is E.DYN else None for s in flat.statics[flat.n_cl :]]
-    return jax.tree_util.tree_unflatten(flat.a_def, leaves)
-
-
 def _explicit_grad(
     api: str, f: Any, args: tuple[Any, ...], has_aux: bool
 ) -> tuple[Any, tuple[Any, ...]]:
     key, entry, flat = _explicit_entry(E.GRAD, api, f, args, (has_aux,))
-    (outs, aux), grads = E.execute(key, entry, flat.dyn, f)
-    return aux.rebuild(outs), _arg_trees(flat, grads)
+    packed, grads = E.execute(key, entry, flat.dyn, f)
+    return packed.value(), grads
 
 
 class _Implicit:
     """The per-call bookkeeping of implicit mode."""
 
-    __slots__ = ("arrays", "entry", "flat", "key", "names", "present", "uniq")
+    __slots__ = ("arrays", "entry", "flat", "key", "paths", "present", "uniq")
 
     def __init__(self, program: str, api: str, f: Any, ps: Params, options: tuple[Any, ...]):
         arrays, paths = ps._read()
         self.arrays = arrays
+        self.paths = paths
         flat = E.Flat(f, ())
         # Inputs are de-duplicated by identity, so an array reached twice (a
         # tied weight, or a parameter reached through two containers) is one
@@ -87,8 +81,7 @@ class _Implicit:
         self.key = (program, options, flat.key, tuple(slots), present)
         entry = E.lookup(self.key)
         if entry is None:
-            names = [p for p in paths]
-            ids = {id(a): n for a, n in zip(arrays, names, strict=True)}
+            ids = {id(a): p for a, p in zip(arrays, paths, strict=True)}
 
             def guard(hidden: list[Any]) -> None:
                 for h in hidden:
@@ -106,7 +99,6 @@ class _Implicit:
             )
             E.store(self.key, entry)
         self.entry = entry
-        self.names = ps.names()
 
     def run(self, f: Any) -> Any:
         return E.execute(self.key, self.entry, self.uniq, f)
@@ -125,11 +117,11 @@ def _label(path: Any) -> str:
 
 def _implicit_grad(api: str, f: Any, ps: Params, has_aux: bool, strict: bool) -> tuple[Any, Grads]:
     call = _Implicit(E.GRAD, api, f, ps, (has_aux,))
-    (outs, aux), grads = call.run(f)
+    packed, grads = call.run(f)
     values = call.place(grads)
     if all(g is None for g in values):
         _no_gradient(api, strict, len(values))
-    return aux.rebuild(outs), Grads(call.arrays, values, call.names)
+    return packed.value(), Grads(call.arrays, values, call.paths)
 
 
 def _no_gradient(api: str, strict: bool, n: int) -> None:
@@ -260,11 +252,10 @@ def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
     if ps is not None:
         call = _Implicit(E.PULLBACK, "tg.pullback", f, ps, ())
         out, back = call.run(f)
-        arrays, names = call.arrays, call.names
-        return out, Pullback(back, lambda g: Grads(arrays, call.place(g), names))
+        return out, Pullback(back, lambda g: Grads(call.arrays, call.place(g), call.paths))
     key, entry, flat = _explicit_entry(E.PULLBACK, "tg.pullback", f, args)
     out, back = E.execute(key, entry, flat.dyn, f)
-    return out, Pullback(back, lambda g: _arg_trees(flat, g))
+    return out, Pullback(back, entry.arg_trees)
 
 
 def jacobian(f: Callable[..., Any], *args: Any) -> Any:
@@ -290,9 +281,9 @@ def jacobian(f: Callable[..., Any], *args: Any) -> Any:
     ps = _split_implicit(args)
     if ps is not None:
         call = _Implicit(E.JACOBIAN, "tg.jacobian", f, ps, ())
-        return Grads(call.arrays, call.place(call.run(f)), call.names)
+        return Grads(call.arrays, call.place(call.run(f)), call.paths)
     key, entry, flat = _explicit_entry(E.JACOBIAN, "tg.jacobian", f, args)
-    return _arg_trees(flat, E.execute(key, entry, flat.dyn, f))
+    return E.execute(key, entry, flat.dyn, f)
 
 
 def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:

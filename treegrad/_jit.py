@@ -27,8 +27,7 @@ class Jitted:
         if entry is None:
             entry = E.Entry(E.CALL, flat, (), api="tg.jit", options=(names,))
             E.store(key, entry)
-        outs, aux = E.execute(key, entry, flat.dyn, fn)
-        return aux.rebuild(outs)
+        return E.execute(key, entry, flat.dyn, fn).value()
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         # Decorating a method: bind the instance as the first (traced) argument.

@@ -25,7 +25,7 @@ import optax
 
 from ._module import register_child_type
 from ._params import Grads, Params, trainable_leaves_with_path
-from ._paths import set_at
+from ._paths import rebind
 from ._tree import first_difference, is_differentiable, is_none
 
 
@@ -143,9 +143,14 @@ class _Plan:
     def __init__(self, state: Any, model: Any, grads: Any, api: str):
         m_leaves, m_def = jax.tree_util.tree_flatten(model, is_leaf=is_none)
         s_leaves, s_def = jax.tree_util.tree_flatten(state, is_leaf=_is_leaf_state)
-        g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
-        if g_def != m_def:  # type: ignore[operator]
-            raise ValueError(_mismatch(api, "gradient", model, grads))
+        if isinstance(grads, Grads):
+            # Looked up by identity, as Grads.to_tree would, without building the tree.
+            g_leaves = grads.leaves_for(m_leaves)
+        else:
+            _check_not_wrapped(grads, model, api)
+            g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
+            if g_def != m_def:  # type: ignore[operator]
+                raise ValueError(_mismatch(api, "gradient", model, grads))
         if len(s_leaves) != len(m_leaves):
             raise ValueError(_mismatch(api, "optimiser state", model, state))
         self.m_leaves, self.m_def, self.s_leaves, self.s_def = m_leaves, m_def, s_leaves, s_def
@@ -190,15 +195,12 @@ def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
     )
 
 
-def _grads_for(model: Any, grads: Any, api: str) -> Any:
-    if isinstance(grads, Grads):
-        return grads.to_tree(model)
+def _check_not_wrapped(grads: Any, model: Any, api: str) -> None:
     if isinstance(grads, tuple) and len(grads) == 1 and not isinstance(model, tuple):
         raise TypeError(
             f"{api}: got a 1-tuple of gradients; tg.gradient returns one entry per argument, "
             "so unpack it first: `(g,) = tg.gradient(...)` or pass `grads[0]`."
         )
-    return grads
 
 
 def update(state: Any, model: Any, grads: Any) -> tuple[Any, Any]:
@@ -223,7 +225,7 @@ def update(state: Any, model: Any, grads: Any) -> tuple[Any, Any]:
         Array([0.8, 1.6], dtype=float32)
     """
     model_src = _source(model)
-    plan = _Plan(state, model_src, _grads_for(model_src, grads, "tg.update"), "tg.update")
+    plan = _Plan(state, model_src, grads, "tg.update")
     new_leaves, new_params = plan.run()
     # Rebuild with one new object per distinct parameter, so ties stay tied.
     m_out = [plan.m_leaves[i] if k < 0 else new_params[k] for i, k in enumerate(plan.positions)]
@@ -259,7 +261,7 @@ def update_(state: Any, model: Any, grads: Any) -> None:
             "tg.update_ cannot update a standalone array in place; hold it in a list, dict or "
             "Module, or use the pure tg.update."
         )
-    plan = _Plan(state, model_src, _grads_for(model_src, grads, "tg.update_"), "tg.update_")
+    plan = _Plan(state, model_src, grads, "tg.update_")
     new_leaves, new_params = plan.run()
     # All computed before anything is touched: a failure above leaves model and state as they were.
     for old, new in zip(plan.leaves, new_leaves, strict=True):
@@ -267,14 +269,7 @@ def update_(state: Any, model: Any, grads: Any) -> None:
             old.state = new.state
     changed = {id(p): q for p, q in zip(plan.params, new_params, strict=True) if p is not q}
     if changed:
-        _rebind(model_src, changed)
-
-
-def _rebind(root: Any, changed: dict[int, Any]) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(root)[0]:
-        new = changed.get(id(leaf))
-        if new is not None:
-            set_at(root, path, new)
+        rebind(model_src, changed)
 
 
 def _leaves_of(state: Any) -> Iterator[Leaf]:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._module import Module
-from ._paths import set_at
+from ._paths import rebind, set_at
 from ._tree import describe_leaf, is_differentiable, path_str
 
 
@@ -164,11 +164,7 @@ class Params:
                 "no container to rebind it in. Build it from a list, dict or model instead."
             )
         arrays = self._read()[0]
-        old_ids = {id(a): k for k, a in enumerate(arrays)}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(self._source)[0]:
-            k = old_ids.get(id(leaf))
-            if k is not None:
-                set_at(self._source, path, new[k])
+        rebind(self._source, {id(a): n for a, n in zip(arrays, new, strict=True) if a is not n})
 
     def __repr__(self) -> str:
         items = ", ".join(f"{n}: {describe_leaf(a)}" for n, a in self.named().items())
@@ -229,13 +225,22 @@ class Grads(Mapping[Any, Any]):
         Array([2., 2., 2.], dtype=float32)
     """
 
-    __slots__ = ("_grads", "_index", "_names", "_params")
+    __slots__ = ("_grads", "_index", "_names", "_params", "_paths")
 
-    def __init__(self, params: list[Any], grads: list[Any], names: list[str]):
+    def __init__(self, params: list[Any], grads: list[Any], paths: list[tuple[Any, ...]]):
         self._params = params
         self._grads = grads
-        self._names = names
+        # Key paths, turned into dotted names only when asked: keystr costs
+        # microseconds per parameter, too much for every training step.
+        self._paths = paths
+        self._names: list[str] | None = None
         self._index: dict[int, int] | None = None
+
+    @property
+    def _names_list(self) -> list[str]:
+        if self._names is None:
+            self._names = [_name(p, k) for k, p in enumerate(self._paths)]
+        return self._names
 
     def _lookup(self) -> dict[int, int]:
         if self._index is None:
@@ -257,7 +262,7 @@ class Grads(Mapping[Any, Any]):
         msg = f"this {describe_leaf(p)} array is not a registered parameter of these gradients."
         same = [
             n
-            for n, q in zip(self._names, self._params, strict=True)
+            for n, q in zip(self._names_list, self._params, strict=True)
             if getattr(q, "shape", None) == p.shape and getattr(q, "dtype", None) == p.dtype
         ]
         if same:
@@ -281,7 +286,7 @@ class Grads(Mapping[Any, Any]):
 
     def named(self) -> dict[str, Any]:
         """A dict from dotted parameter path to gradient."""
-        return dict(zip(self._names, self._grads, strict=True))
+        return dict(zip(self._names_list, self._grads, strict=True))
 
     @property
     def params(self) -> list[Any]:
@@ -292,7 +297,7 @@ class Grads(Mapping[Any, Any]):
 
     def map(self, fn: Callable[[Any], Any]) -> Grads:
         """A new `Grads` with `fn` applied to every gradient that is not `None`."""
-        return Grads(self._params, [None if g is None else fn(g) for g in self._grads], self._names)
+        return Grads(self._params, [None if g is None else fn(g) for g in self._grads], self._paths)
 
     def _check_same(self, other: Grads) -> None:
         if len(other._params) != len(self._params) or any(
@@ -308,7 +313,7 @@ class Grads(Mapping[Any, Any]):
             return NotImplemented
         self._check_same(other)
         grads = [_combine(a, b, op) for a, b in zip(self._grads, other._grads, strict=True)]
-        return Grads(self._params, grads, self._names)
+        return Grads(self._params, grads, self._paths)
 
     def __add__(self, other: Any) -> Grads:
         return self._binary(other, jnp.add)
@@ -331,16 +336,10 @@ class Grads(Mapping[Any, Any]):
     def __neg__(self) -> Grads:
         return self.map(jnp.negative)
 
-    def to_tree(self, model: Any) -> Any:
-        """The explicit gradient tree for `model`: what `tg.gradient(f, model)` gives.
-
-        Leaves of `model` that are registered parameters get their gradient (a
-        tied weight at its first occurrence, `None` at the others, so that the
-        optimiser, which sums over occurrences, takes the same step); every
-        other leaf gets `None`.
-        """
+    def leaves_for(self, leaves: list[Any]) -> list[Any]:
+        """The gradient for each of `leaves` (a flattened model), as `to_tree` places them."""
         index = self._lookup()
-        leaves, treedef = jax.tree_util.tree_flatten(model)
+        grads = self._grads
         seen: set[int] = set()
         out: list[Any] = []
         for leaf in leaves:
@@ -349,12 +348,23 @@ class Grads(Mapping[Any, Any]):
                 out.append(None)
             else:
                 seen.add(id(leaf))
-                out.append(self._grads[i])
-        return jax.tree_util.tree_unflatten(treedef, out)
+                out.append(grads[i])
+        return out
+
+    def to_tree(self, model: Any) -> Any:
+        """The explicit gradient tree for `model`: what `tg.gradient(f, model)` gives.
+
+        Leaves of `model` that are registered parameters get their gradient (a
+        tied weight at its first occurrence, `None` at the others, so that the
+        optimiser, which sums over occurrences, takes the same step); every
+        other leaf gets `None`.
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(model)
+        return jax.tree_util.tree_unflatten(treedef, self.leaves_for(leaves))
 
     def __repr__(self) -> str:
         lines = [f"Grads({len(self)} parameters)"]
-        for n, p, g in zip(self._names, self._params, self._grads, strict=True):
+        for n, p, g in zip(self._names_list, self._params, self._grads, strict=True):
             norm = "None" if g is None else f"norm {float(jnp.linalg.norm(jnp.ravel(g))):.4g}"
             lines.append(f"  {n}: {describe_leaf(p)}  grad {norm}")
         return "\n".join(lines)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from ._module import Module
+from ._module import _flatten as _module_flatten
 from ._tree import path_str
 
 
@@ -76,3 +80,58 @@ def set_at(root: Any, path: tuple[Any, ...], value: Any) -> None:
                 "or use the pure tg.update."
             )
         new = updated
+
+
+def rebind(root: Any, changed: dict[int, Any]) -> None:
+    """Replace, in place, every leaf of `root` whose id is in `changed` by its new value.
+
+    One walk over Modules, lists and dicts (using each Module's cached split
+    into children), rebuilding tuples on the way back up; about the cost of one
+    flatten. Foreign pytrees fall back to rebinding by key path.
+    """
+    if _rebind_node(root, changed) is not root:
+        raise TypeError(
+            f"cannot update a {type(root).__name__} in place: it is immutable. Hold parameters "
+            "in a tg.Module, a dict or a list, or use the pure tg.update."
+        )
+
+
+def _rebind_node(node: Any, changed: dict[int, Any]) -> Any:
+    new = changed.get(id(node))
+    if new is not None:
+        return new
+    if isinstance(node, Module):
+        _, aux = _module_flatten(node)
+        d = node.__dict__
+        for name in aux.names:
+            child = d[name]
+            updated = _rebind_node(child, changed)
+            if updated is not child:
+                setattr(node, name, updated)
+        return node
+    t = type(node)
+    if t is list:
+        for i, child in enumerate(node):
+            updated = _rebind_node(child, changed)
+            if updated is not child:
+                node[i] = updated
+        return node
+    if t is dict:
+        for k, child in node.items():
+            updated = _rebind_node(child, changed)
+            if updated is not child:
+                node[k] = updated
+        return node
+    if isinstance(node, tuple):
+        items = [_rebind_node(child, changed) for child in node]
+        if all(a is b for a, b in zip(items, node, strict=True)):
+            return node
+        return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    if node is None or isinstance(node, (jax.Array, np.ndarray)) or callable(node):
+        return node
+    # A foreign pytree (an equinox module, say): rebind its leaves by path.
+    for path, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
+        new = changed.get(id(leaf))
+        if new is not None and path:
+            set_at(node, path, new)
+    return node
