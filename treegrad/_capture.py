@@ -222,7 +222,7 @@ def _type_kind(obj: Any) -> int:
 def capture(obj: Any, _stack: frozenset[int] = frozenset(), _depth: int = 0) -> Any:
     """Convert a callable (or a value it reads) into a pytree of what it captures.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> W = jnp.ones(3)
         >>> f = lambda x: jnp.sum(W * x)

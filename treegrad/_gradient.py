@@ -168,7 +168,7 @@ def gradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> Any:
     shapes reuses the compiled function, and arrays the function captures are
     inputs, so a changed global or closure variable is always seen.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> W = jnp.ones((3, 5)); b = jnp.zeros(3)
         >>> x = jnp.array([3.0, 1, 0, 1, 2])
@@ -200,7 +200,7 @@ def withgradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> tup
     Returns:
         `(value, grads)`, `grads` as in `tg.gradient`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> x = jnp.array([1.0, 2.0])
         >>> (loss, pred), (g,) = tg.withgradient(lambda x: (jnp.sum(x**2), 2 * x), x)
@@ -241,7 +241,7 @@ def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
         `(y, back)`: `back(dy)` returns a tuple like `tg.gradient` (a `tg.Grads`
         in implicit mode), with `None` for leaves `y` does not depend on.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> y, back = tg.pullback(lambda x: 3 * x, jnp.array([1.0, 2.0]))
         >>> back(jnp.array([1.0, 10.0]))
@@ -270,7 +270,7 @@ def jacobian(f: Callable[..., Any], *args: Any) -> Any:
         by an array of shape `y.shape + x.shape` (`None` where `y` does not
         depend on it); a `tg.Grads` of Jacobians in implicit mode.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> (J,) = tg.jacobian(lambda x: x**2, jnp.array([1.0, 2.0]))
         >>> J
@@ -299,7 +299,7 @@ def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
         `x.shape + x.shape`; for a pytree argument it is a tree of trees
         (`H[leaf_i][leaf_j]`), like `jax.hessian`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> (H,) = tg.hessian(lambda x: jnp.sum(x**3), jnp.array([1.0, 2.0]))
         >>> H

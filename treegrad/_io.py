@@ -39,7 +39,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         path: the file to write (`.npz` is conventional); replaced atomically.
         tree: a model, a state from `tg.setup`, or a tuple of them.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg, tempfile, os
         >>> model = {"w": jnp.ones(2)}
         >>> f = os.path.join(tempfile.mkdtemp(), "ckpt.npz")

@@ -50,7 +50,7 @@ def jit(fn: Callable[..., Any]) -> Jitted:
     Returns:
         A callable with the same signature.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> @tg.jit
         ... def f(x, n):

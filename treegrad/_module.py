@@ -174,7 +174,7 @@ class Module:
     is static data. Subclasses are registered with `jax.tree_util` automatically
     and may list the attributes the optimiser trains in `__trainable__`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, treegrad as tg
         >>> class Affine(tg.Module):
         ...     def __init__(self):

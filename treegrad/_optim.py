@@ -84,7 +84,7 @@ def setup(rule: optax.GradientTransformation, model: Any) -> Any:
         Assign a sub-state to use another rule for a sub-model:
         `state.l1 = tg.setup(other_rule, model.l1)`.
 
-    Example:
+    Examples:
         >>> import jax, optax, treegrad as tg
         >>> from treegrad import nn
         >>> model = nn.Chain(nn.Dense(2, 3, key=jax.random.key(0)))
@@ -215,7 +215,7 @@ def update(state: Any, model: Any, grads: Any) -> tuple[Any, Any]:
     Returns:
         `(state, model)`, new objects; the inputs are left as they were.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> model = {"w": jnp.array([1.0, 2.0])}
         >>> state = tg.setup(optax.sgd(0.1), model)
@@ -245,7 +245,7 @@ def update_(state: Any, model: Any, grads: Any) -> None:
             `tg.Params` built from one.
         grads: the explicit gradient tree, or a `tg.Grads`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> model = {"w": jnp.array([1.0, 2.0])}
         >>> ps = tg.params(model)
@@ -305,7 +305,7 @@ def adjust_(state: Any, **hyper: Any) -> None:
     Works on a whole state or a sub-state (`tg.adjust_(state.l1, learning_rate=1e-4)`).
     The rule must come from `optax.inject_hyperparams`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> state = tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=0.1), [jnp.ones(2)])
         >>> tg.adjust_(state, learning_rate=0.01)
@@ -336,7 +336,7 @@ def adjust(state: Any, **hyper: Any) -> Any:
 def freeze_(state: Any) -> None:
     """Freeze every parameter under `state` (a state or sub-state): no more updates.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> model = {"a": jnp.ones(2), "b": jnp.ones(2)}
         >>> state = tg.setup(optax.sgd(0.1), model)
@@ -367,7 +367,7 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
         array; `rebuild(v)` returns a copy of `model` with those arrays taken
         from `v` (differentiable, so `jax.grad` flows through it).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> flat, rebuild = tg.destructure({"w": jnp.ones((2, 2)), "b": jnp.zeros(2)})
         >>> flat.shape

@@ -65,7 +65,7 @@ class Params:
             `jax.Array` leaves are collected, each distinct object once (a tied
             weight appears once), respecting `__trainable__`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> W, b = jnp.ones((3, 5)), jnp.zeros(3)
         >>> ps = tg.Params([W, b])
@@ -187,7 +187,7 @@ def _convert_numpy(tree: Any) -> None:
 def params(xs: Any) -> Params:
     """The parameters of a model: the same as `tg.Params(xs)`.
 
-    Example:
+    Examples:
         >>> import jax, treegrad as tg
         >>> from treegrad import nn
         >>> model = nn.Dense(2, 3, key=jax.random.key(0))
@@ -212,7 +212,7 @@ class Grads(Mapping[Any, Any]):
     gradient, or `None` where the loss does not depend on it. Only registered
     parameters appear.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, treegrad as tg
         >>> W = jnp.ones((3, 5)); b = jnp.zeros(3)
         >>> x = jnp.array([3.0, 1, 0, 1, 2])

@@ -70,7 +70,7 @@ def train(
         NonFiniteLossError: the loss became NaN or infinite; the error names the
             epoch and step and carries the last good `state` and `model`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> model = {"w": jnp.zeros(())}
         >>> data = [(jnp.array([1.0, 2.0]), jnp.array([2.0, 4.0]))] * 20

@@ -14,7 +14,7 @@ _INEXACT: dict[Any, bool] = {}
 def is_differentiable(x: Any) -> bool:
     """A differentiable leaf: a `jax.Array` of floating or complex dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> tg.is_differentiable(jnp.ones(2)), tg.is_differentiable(jnp.arange(2))
         (True, False)

@@ -2,7 +2,7 @@
 
 Every loss reduces to a scalar mean over the batch.
 
-Example:
+Examples:
     >>> import jax.numpy as jnp, treegrad as tg
     >>> tg.losses.mse(jnp.array([1.0, 2.0]), jnp.array([1.0, 4.0]))
     Array(2., dtype=float32)
@@ -44,7 +44,7 @@ def huber(yhat: Any, y: Any, delta: float = 1.0) -> Any:
 def logitcrossentropy(logits: Any, y: Any) -> Any:
     """Softmax cross-entropy from logits; `y` is integer labels or one-hot/probabilities.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> logits = jnp.array([[2.0, 0.0], [0.0, 2.0]])
         >>> a = tg.losses.logitcrossentropy(logits, jnp.array([0, 1]))

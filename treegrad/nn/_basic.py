@@ -33,7 +33,7 @@ class Dense(Module):
     `weight` has shape `(out_features, in_features)`, `bias` `(out_features,)`,
     and `(..., in_features)` maps to `(..., out_features)`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> layer = nn.Dense(4, 8, jax.nn.relu, key=jax.random.key(0))
@@ -75,7 +75,7 @@ class Dense(Module):
 class Chain(Module):
     """Layers applied in order; indexable (`chain[0]`) and sliceable (`chain[1:]`).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> k1, k2 = jax.random.split(jax.random.key(0))
@@ -117,7 +117,7 @@ class Chain(Module):
 class Embedding(Module):
     """A lookup table: integer indices to rows of `weight` (shape `(vocab, features)`).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> emb = nn.Embedding(10, 4, key=jax.random.key(0))
@@ -148,7 +148,7 @@ class Dropout(Module):
     Active only in training mode (the default) and given a PRNG key; in test
     mode (`nn.testmode(model)`) it is the identity.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> d = nn.Dropout(0.5)

@@ -18,16 +18,18 @@ class Conv(Module):
 
     Arguments:
         kernel_size: an int (1-D) or a tuple of one or two ints.
-        in_channels, out_channels: channel counts.
+        in_channels: channels of the input (its last axis).
+        out_channels: channels of the output.
         activation: applied to the output (default identity).
         key: PRNG key for the Glorot-uniform kernel.
-        stride, dilation: per spatial axis (int or tuple).
+        stride: per spatial axis (int or tuple).
+        dilation: kernel dilation per spatial axis (int or tuple).
         padding: "SAME", "VALID", an int, or a sequence of (low, high) pairs.
 
     Input `(batch, *spatial, in_channels)` (the batch axis is optional);
     `weight` has shape `(*kernel_size, in_channels, out_channels)`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> conv = nn.Conv((3, 3), 1, 8, jax.nn.relu, key=jax.random.key(0), padding="SAME")

@@ -16,7 +16,7 @@ from ._basic import check_features
 class LayerNorm(Module):
     """Normalise over the last axis, then scale and shift.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from treegrad import nn
         >>> y = nn.LayerNorm(4)(jnp.array([1.0, 2.0, 3.0, 4.0]))
@@ -62,7 +62,7 @@ class BatchNorm(Module):
     updated functionally by `nn.with_batch_stats`, so nothing is mutated while
     tracing.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> bn = nn.BatchNorm(3)

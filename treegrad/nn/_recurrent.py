@@ -25,7 +25,7 @@ def _glorot(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 class RNNCell(Module):
     """Elman cell: `h' = activation(Wi @ x + Wh @ h + b)`; output `h'`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> cell = nn.RNNCell(2, 3, key=jax.random.key(0))
@@ -68,7 +68,7 @@ class RNNCell(Module):
 class LSTMCell(Module):
     """LSTM cell; the state is `(h, c)`, the output `h`. Gate order: input, forget, cell, output.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> cell = nn.LSTMCell(2, 3, key=jax.random.key(0))
@@ -108,7 +108,7 @@ class LSTMCell(Module):
 class GRUCell(Module):
     """GRU cell (gate order: reset, update, candidate); the state and output are `h`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> cell = nn.GRUCell(2, 3, key=jax.random.key(0))
@@ -151,7 +151,7 @@ class Recurrence(Module):
     `Recurrence(cell)(state, xs)` returns `(final_state, ys)` with `ys` stacked
     along time. The state is explicit: pass `cell.initial_state(batch_shape)`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> rnn = nn.Recurrence(nn.GRUCell(2, 4, key=jax.random.key(0)))
