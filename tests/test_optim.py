@@ -17,6 +17,8 @@ RULES = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-3),
     "chain": lambda: optax.chain(optax.clip(0.5), optax.scale_by_rms(), optax.scale(-1e-2)),
     "rmsprop": lambda: optax.rmsprop(1e-2),
+    # Not elementwise: the rule must see the whole model, as optax does.
+    "global_norm_clip": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)),
 }
 
 
@@ -160,10 +162,11 @@ def test_failed_update_leaves_model_and_state():
     model = {"w": jnp.ones(2)}
     state = tg.setup(optax.adam(0.1), model)
     before_w = model["w"]
-    before_state = state["w"].state
+    before_state = jax.tree_util.tree_leaves(state)
     with pytest.raises(Exception, match=r"shape|broadcast|incompatible"):
         tg.update_(state, model, {"w": jnp.ones(3)})
-    assert model["w"] is before_w and state["w"].state is before_state
+    assert model["w"] is before_w
+    assert all(a is b for a, b in zip(before_state, jax.tree_util.tree_leaves(state), strict=True))
 
 
 def test_update_does_not_retrace():
@@ -211,3 +214,41 @@ def test_destructure_round_trip_and_gradient():
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="shape"):
         rebuild(jnp.ones(3))
+
+
+def test_skipped_parameter_keeps_its_own_count_afterwards():
+    model = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    state = tg.setup(optax.adam(0.1), model)
+    g_both = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    state, model = tg.update(state, model, {"a": jnp.ones(2), "b": None})
+    state, model = tg.update(state, model, g_both)
+    assert int(state["a"].state[0].count) == 2 and int(state["b"].state[0].count) == 1
+    # Same as plain optax on each array separately.
+    ref_b = jnp.ones(2)
+    opt = optax.adam(0.1)
+    u, _ = opt.update(jnp.ones(2), opt.init(ref_b), ref_b)
+    np.testing.assert_allclose(model["b"], optax.apply_updates(ref_b, u), rtol=1e-6)
+
+
+def test_state_is_a_pytree_for_jit_and_checkpoints(tmp_path):
+    model = MLP(jax.random.key(0))
+    state = tg.setup(optax.adam(1e-2), model)
+    tg.freeze_(state.layers[0])  # splits the group
+    leaves = jax.tree_util.tree_leaves(state)
+    assert len(leaves) == 2 * (1 + 2 + 2)  # two groups, each: one count, two mu, two nu
+    f = tmp_path / "s.npz"
+    tg.save(f, state)
+    fresh = tg.setup(optax.adam(1e-2), model)
+    tg.freeze_(fresh.layers[0])
+    restored = tg.load(f, fresh)
+    assert restored.layers[0].weight.frozen and not restored.layers[1].weight.frozen
+
+
+def test_sub_state_views_and_errors():
+    model = MLP(jax.random.key(0))
+    state = tg.setup(optax.adam(1e-2), model)
+    assert "layers.0" in repr(state.layers[0])
+    with pytest.raises(AttributeError, match="mirrors the model"):
+        state.nonexistent
+    with pytest.raises(TypeError, match="optimiser state from tg.setup"):
+        tg.update(model, model, model)

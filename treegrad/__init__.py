@@ -14,6 +14,7 @@ from ._io import save as save
 from ._jit import jit as jit
 from ._module import Module as Module
 from ._optim import Leaf as Leaf
+from ._optim import OptState as OptState
 from ._optim import adjust as adjust
 from ._optim import adjust_ as adjust_
 from ._optim import destructure as destructure

@@ -1,21 +1,16 @@
-"""The model-tree optimiser: optax rules applied leaf by leaf, one state tree.
+"""The model-tree optimiser: optax rules, one state shaped like the model.
 
-As in Optimisers.jl, `setup` builds a state tree shaped like the model (the
-state of `model.l1` is `state.l1`, of `model[0]` is `state[0]`) whose leaves are
-`Leaf(rule, state)` objects, one per trainable array; `update` walks model,
-gradient and state together. `Leaf` is mutable so that its identity encodes
-parameter sharing: a tied weight (the same array object in several places) has
-one `Leaf` at each of its places, its gradients are summed, and after the update
-the places again hold one object.
-
-The per-leaf optax updates run in one compiled function (`_step`), so a step
-costs one dispatch whatever the number of leaves; the optimiser does not know or
-care which gradient style produced the gradients.
+As in Optimisers.jl, `setup` builds a state that mirrors the model (the state
+of `model.l1` is `state.l1`, of `model[0]` is `state[0]`) and `update` walks
+model, gradients and state together; the optimiser does not know or care which
+gradient style produced the gradients. Storage is by groups (see
+`_optstate.py`): the arrays set up with one rule share one optax state, so a
+step is one compiled call whatever the number of arrays, and the rule sees them
+as optax would see a model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -23,55 +18,18 @@ import jax.flatten_util
 import jax.numpy as jnp
 import optax
 
-from ._module import register_child_type
+from ._optstate import Leaf, OptState, _Group, _Slot, build, compact, split
 from ._params import Grads, Params, trainable_leaves_with_path
 from ._paths import rebind
 from ._tree import first_difference, is_differentiable, is_none
-
-
-class Leaf:
-    """The optimiser state of one parameter: its optax rule and that rule's state.
-
-    A pytree whose only child is `state`; `rule` and `frozen` are static.
-    """
-
-    __slots__ = ("frozen", "rule", "state")
-
-    def __init__(self, rule: optax.GradientTransformation, state: Any, frozen: bool = False):
-        self.rule = rule
-        self.state = state
-        self.frozen = frozen
-
-    def __repr__(self) -> str:
-        frozen = ", frozen" if self.frozen else ""
-        return f"Leaf({_rule_name(self.rule)}{frozen})"
-
-
-jax.tree_util.register_pytree_with_keys(
-    Leaf,
-    lambda leaf: (((jax.tree_util.GetAttrKey("state"), leaf.state),), (leaf.rule, leaf.frozen)),
-    lambda aux, children: Leaf(aux[0], next(iter(children)), aux[1]),
-    flatten_func=lambda leaf: ((leaf.state,), (leaf.rule, leaf.frozen)),
-)
-register_child_type(Leaf)
-
-
-def _rule_name(rule: Any) -> str:
-    init = getattr(rule, "init", None)
-    qual = getattr(init, "__qualname__", "") or ""
-    return qual.split(".<locals>")[0] if qual else type(rule).__name__
-
-
-def _is_leaf_state(x: Any) -> bool:
-    return x is None or isinstance(x, Leaf)
 
 
 def _source(model: Any) -> Any:
     return model.source if isinstance(model, Params) else model
 
 
-def setup(rule: optax.GradientTransformation, model: Any) -> Any:
-    """Build the optimiser state for `model`: a tree shaped like it.
+def setup(rule: optax.GradientTransformation, model: Any) -> OptState:
+    """Build the optimiser state for `model`: navigable like the model.
 
     Arguments:
         rule: any optax `GradientTransformation` (use `optax.inject_hyperparams`
@@ -79,9 +37,10 @@ def setup(rule: optax.GradientTransformation, model: Any) -> Any:
         model: a model (Module, dict, list, any pytree) or a `tg.Params`.
 
     Returns:
-        A state tree with the model's structure: a `Leaf` for each trainable
-        floating-point array (respecting `__trainable__`), `None` elsewhere.
-        Assign a sub-state to use another rule for a sub-model:
+        An `OptState`: `state.l1` is the state of `model.l1`, `state[0]` of
+        `model[0]`, and at each trainable floating-point array (respecting
+        `__trainable__`) there is a `tg.Leaf`; `None` elsewhere. Assign a
+        sub-state to use another rule for a sub-model:
         `state.l1 = tg.setup(other_rule, model.l1)`.
 
     Examples:
@@ -102,47 +61,38 @@ def setup(rule: optax.GradientTransformation, model: Any) -> Any:
         id(leaf) for _, leaf in trainable_leaves_with_path(model) if is_differentiable(leaf)
     }
     leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_none)
-    shared: dict[int, Leaf] = {}
-    states: list[Leaf | None] = []
-    for leaf in leaves:
-        if id(leaf) not in trainable:
-            states.append(None)
-            continue
-        st = shared.get(id(leaf))
-        if st is None:
-            st = shared[id(leaf)] = Leaf(rule, rule.init(leaf))
-        states.append(st)
-    return jax.tree_util.tree_unflatten(treedef, states)
-
-
-def _apply(leaf: Leaf, p: Any, g: Any) -> tuple[Leaf, Any]:
-    updates, new_state = leaf.rule.update(g, leaf.state, p)
-    return Leaf(leaf.rule, new_state, leaf.frozen), optax.apply_updates(p, updates)
+    return build(rule, leaves, trainable, treedef)
 
 
 @jax.jit
-def _step(leaves: list[Leaf], params: list[Any], grads: list[Any]) -> tuple[list[Leaf], list[Any]]:
-    # Every leaf's optax update in one XLA computation: one dispatch per step.
-    new_leaves, new_params = [], []
-    for leaf, p, g in zip(leaves, params, grads, strict=True):
-        if g is None:
-            new_leaves.append(leaf)
-            new_params.append(p)
-        else:
-            nl, np_ = _apply(leaf, p, g)
-            new_leaves.append(nl)
-            new_params.append(np_)
-    return new_leaves, new_params
+def _step(groups: list[_Group], params: list[list[Any]], grads: list[list[Any]]) -> Any:
+    # Every group's optax update in one XLA computation: one dispatch per step.
+    new_groups, new_params = [], []
+    for group, p, g in zip(groups, params, grads, strict=True):
+        updates, state = group.rule.update(g, group.state, p)
+        new_groups.append(_Group(group.rule, state, group.n, group.frozen))
+        new_params.append(optax.apply_updates(p, updates))
+    return new_groups, new_params
+
+
+def _check_state(state: Any, api: str) -> OptState:
+    if not isinstance(state, OptState):
+        raise TypeError(
+            f"{api}: expected the optimiser state from tg.setup as the first argument, got "
+            f"{type(state).__name__}. Call it as {api}(state, model, grads)."
+        )
+    return state
 
 
 class _Plan:
-    """Model, state and gradients flattened and aligned: one entry per distinct parameter."""
+    """Model, state and gradients aligned, and the groups to update this step."""
 
-    __slots__ = ("grads", "leaves", "m_def", "m_leaves", "params", "positions", "s_def", "s_leaves")
+    __slots__ = ("groups", "m_def", "m_leaves", "new_params", "slots")
 
-    def __init__(self, state: Any, model: Any, grads: Any, api: str):
+    def __init__(self, state: OptState, model: Any, grads: Any, api: str):
         m_leaves, m_def = jax.tree_util.tree_flatten(model, is_leaf=is_none)
-        s_leaves, s_def = jax.tree_util.tree_flatten(state, is_leaf=_is_leaf_state)
+        if m_def != state._treedef:
+            raise ValueError(_mismatch(api, "optimiser state", model, state.layout))
         if isinstance(grads, Grads):
             # Looked up by identity, as Grads.to_tree would, without building the tree.
             g_leaves = grads.leaves_for(m_leaves)
@@ -151,38 +101,62 @@ class _Plan:
             g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
             if g_def != m_def:  # type: ignore[operator]
                 raise ValueError(_mismatch(api, "gradient", model, grads))
-        if len(s_leaves) != len(m_leaves):
-            raise ValueError(_mismatch(api, "optimiser state", model, state))
-        self.m_leaves, self.m_def, self.s_leaves, self.s_def = m_leaves, m_def, s_leaves, s_def
-        index: dict[int, int] = {}
-        self.leaves: list[Leaf] = []
-        self.params: list[Any] = []
-        self.grads: list[Any] = []
-        self.positions: list[int] = []  # per model leaf: its entry, or -1
-        for p, st, g in zip(m_leaves, s_leaves, g_leaves, strict=True):
-            if st is None:
-                self.positions.append(-1)
+        groups = state.groups
+        slots = state._slots
+        params: list[list[Any]] = [[None] * g.n for g in groups]
+        acc: list[list[Any]] = [[None] * g.n for g in groups]
+        for p, s, g in zip(m_leaves, slots, g_leaves, strict=True):
+            if s is None:
                 continue
-            if not isinstance(st, Leaf):
-                raise TypeError(
-                    f"{api}: the optimiser state holds a {type(st).__name__} where a Leaf belongs"
-                )
-            k = index.get(id(p))
-            if k is None:
-                k = index[id(p)] = len(self.params)
-                self.leaves.append(st)
-                self.params.append(p)
-                self.grads.append(None if st.frozen else g)
-            elif g is not None and not st.frozen:
-                # A tied weight: gradients from each place are summed.
-                prev = self.grads[k]
-                self.grads[k] = g if prev is None else prev + g
-            self.positions.append(k)
+            params[s.g][s.i] = p
+            if g is not None:
+                prev = acc[s.g][s.i]
+                # A tied weight: the gradients from each of its places are summed.
+                acc[s.g][s.i] = g if prev is None else prev + g
+        # Members without a gradient keep their value and state: split them off.
+        missing = {
+            _Slot(k, i)
+            for k, group in enumerate(groups)
+            if not group.frozen and any(a is None for a in acc[k])
+            for i, a in enumerate(acc[k])
+            if a is None
+        }
+        if missing:
+            groups, slots = split(groups, slots, missing, frozen=False)
+            # Rebuild the per-group lists for the new numbering.
+            params = [[None] * g.n for g in groups]
+            new_acc: list[list[Any]] = [[None] * g.n for g in groups]
+            for p, s, g in zip(m_leaves, slots, g_leaves, strict=True):
+                if s is not None:
+                    params[s.g][s.i] = p
+                    if g is not None:
+                        prev = new_acc[s.g][s.i]
+                        new_acc[s.g][s.i] = g if prev is None else prev + g
+            acc = new_acc
+        self.m_leaves, self.m_def, self.slots = m_leaves, m_def, slots
+        active = [
+            k
+            for k, grp in enumerate(groups)
+            if not grp.frozen and all(a is not None for a in acc[k])
+        ]
+        new_groups = list(groups)
+        new_params = [list(p) for p in params]
+        if active:
+            out_groups, out_params = _step(
+                [groups[k] for k in active], [params[k] for k in active], [acc[k] for k in active]
+            )
+            for k, grp, ps in zip(active, out_groups, out_params, strict=True):
+                new_groups[k] = grp
+                new_params[k] = ps
+        self.groups = new_groups
+        self.new_params = new_params
 
-    def run(self) -> tuple[list[Leaf], list[Any]]:
-        if all(g is None for g in self.grads):
-            return self.leaves, self.params
-        return _step(self.leaves, self.params, self.grads)
+    def model_leaves(self) -> list[Any]:
+        # One new object per member, so that the places of a tied weight share it.
+        return [
+            p if s is None else self.new_params[s.g][s.i]
+            for p, s in zip(self.m_leaves, self.slots, strict=True)
+        ]
 
 
 def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
@@ -192,6 +166,9 @@ def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
         f"{api}: the {what} tree does not match the model ({at}). "
         "Pass the gradient of this model, e.g. "
         "`(g,) = tg.gradient(lambda m: loss(m, x, y), model)`, or a tg.Grads for a tg.Params."
+        if what == "gradient"
+        else f"{api}: the {what} does not match the model ({at}); build it with "
+        "tg.setup(rule, model) for this model."
     )
 
 
@@ -203,7 +180,7 @@ def _check_not_wrapped(grads: Any, model: Any, api: str) -> None:
         )
 
 
-def update(state: Any, model: Any, grads: Any) -> tuple[Any, Any]:
+def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
     """One optimiser step, pure: returns `(new_state, new_model)`.
 
     Arguments:
@@ -224,23 +201,17 @@ def update(state: Any, model: Any, grads: Any) -> tuple[Any, Any]:
         >>> model["w"]
         Array([0.8, 1.6], dtype=float32)
     """
-    model_src = _source(model)
-    plan = _Plan(state, model_src, grads, "tg.update")
-    new_leaves, new_params = plan.run()
-    # Rebuild with one new object per distinct parameter, so ties stay tied.
-    m_out = [plan.m_leaves[i] if k < 0 else new_params[k] for i, k in enumerate(plan.positions)]
-    s_out = [None if k < 0 else new_leaves[k] for k in plan.positions]
-    return (
-        jax.tree_util.tree_unflatten(plan.s_def, s_out),
-        jax.tree_util.tree_unflatten(plan.m_def, m_out),
-    )
+    state = _check_state(state, "tg.update")
+    plan = _Plan(state, _source(model), grads, "tg.update")
+    new_state = OptState(plan.groups, state._treedef, plan.slots)
+    return new_state, jax.tree_util.tree_unflatten(plan.m_def, plan.model_leaves())
 
 
-def update_(state: Any, model: Any, grads: Any) -> None:
+def update_(state: OptState, model: Any, grads: Any) -> None:
     """One optimiser step in place: rebinds the new arrays where the old ones lived.
 
     Arguments:
-        state: from `tg.setup`; its `Leaf` objects are updated in place.
+        state: from `tg.setup`; updated in place.
         model: a model held in mutable containers (Modules, dicts, lists), or a
             `tg.Params` built from one.
         grads: the explicit gradient tree, or a `tg.Grads`.
@@ -255,6 +226,7 @@ def update_(state: Any, model: Any, grads: Any) -> None:
         >>> model["w"]
         Array([0.8, 1.6], dtype=float32)
     """
+    state = _check_state(state, "tg.update_")
     model_src = _source(model)
     if isinstance(model_src, jax.Array):
         raise TypeError(
@@ -262,48 +234,75 @@ def update_(state: Any, model: Any, grads: Any) -> None:
             "Module, or use the pure tg.update."
         )
     plan = _Plan(state, model_src, grads, "tg.update_")
-    new_leaves, new_params = plan.run()
     # All computed before anything is touched: a failure above leaves model and state as they were.
-    for old, new in zip(plan.leaves, new_leaves, strict=True):
-        if old is not new:
-            old.state = new.state
-    changed = {id(p): q for p, q in zip(plan.params, new_params, strict=True) if p is not q}
+    changed = {
+        id(old): new
+        for old, new in zip(plan.m_leaves, plan.model_leaves(), strict=True)
+        if old is not new
+    }
     if changed:
         rebind(model_src, changed)
+    state.replace(plan.groups, plan.slots)
 
 
-def _leaves_of(state: Any) -> Iterator[Leaf]:
-    seen: set[int] = set()
-    for leaf in jax.tree_util.tree_leaves(state, is_leaf=_is_leaf_state):
-        if isinstance(leaf, Leaf) and id(leaf) not in seen:
-            seen.add(id(leaf))
-            yield leaf
+def _view_slots(state: Any, api: str) -> tuple[OptState, set[_Slot]]:
+    if isinstance(state, Leaf):
+        return state._root, {state._slot}
+    if isinstance(state, OptState):
+        return state, set(state.slots())
+    from ._optstate import SubState
+
+    if isinstance(state, SubState):
+        return state._r(), set(state.slots())
+    raise TypeError(
+        f"{api} expects an optimiser state from tg.setup, or a part of one, "
+        f"got {type(state).__name__}"
+    )
 
 
-def _adjusted(leaf: Leaf, hyper: dict[str, Any]) -> Any:
-    hp = getattr(leaf.state, "hyperparams", None)
-    if not isinstance(hp, dict):
-        raise TypeError(
-            f"tg.adjust: the rule {_rule_name(leaf.rule)} has no adjustable hyperparameters. "
-            "Build it with optax.inject_hyperparams, e.g. "
-            "tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), model)."
-        )
-    unknown = set(hyper) - set(hp)
-    if unknown:
-        raise TypeError(
-            f"tg.adjust: unknown hyperparameter(s) {sorted(unknown)}; this rule has {sorted(hp)}."
-        )
-    new_hp = dict(hp)
-    for k, v in hyper.items():
-        new_hp[k] = jnp.asarray(v, dtype=jnp.asarray(hp[k]).dtype)
-    return leaf.state._replace(hyperparams=new_hp)
+def _adjusted_state(hyper: dict[str, Any]) -> Any:
+    def adjust_group(group: _Group) -> Any:
+        hp = getattr(group.state, "hyperparams", None)
+        if not isinstance(hp, dict):
+            raise TypeError(
+                f"tg.adjust: the rule {_rule(group)} has no adjustable "
+                "hyperparameters. Build it with optax.inject_hyperparams, e.g. "
+                "tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), model)."
+            )
+        unknown = set(hyper) - set(hp)
+        if unknown:
+            raise TypeError(
+                f"tg.adjust: unknown hyperparameter(s) {sorted(unknown)}; "
+                f"this rule has {sorted(hp)}."
+            )
+        new_hp = dict(hp)
+        for k, v in hyper.items():
+            new_hp[k] = jnp.asarray(v, dtype=jnp.asarray(hp[k]).dtype)
+        return group.state._replace(hyperparams=new_hp)
+
+    return adjust_group
+
+
+def _rule(group: _Group) -> str:
+    from ._optstate import _rule_name
+
+    return _rule_name(group.rule)
+
+
+def _changed_groups(
+    state: Any, api: str, **change: Any
+) -> tuple[OptState, list[_Group], tuple[Any, ...]]:
+    root, chosen = _view_slots(state, api)
+    groups, slots = split(root.groups, root._slots, chosen, **change)
+    return root, groups, slots
 
 
 def adjust_(state: Any, **hyper: Any) -> None:
     """Change hyperparameters (e.g. `learning_rate`) in place, keeping the moments.
 
-    Works on a whole state or a sub-state (`tg.adjust_(state.l1, learning_rate=1e-4)`).
-    The rule must come from `optax.inject_hyperparams`.
+    Works on a whole state or a part of one (`tg.adjust_(state.l1, learning_rate=1e-4)`),
+    which then gets its own copy of the optimiser state. The rule must come
+    from `optax.inject_hyperparams`.
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -312,29 +311,22 @@ def adjust_(state: Any, **hyper: Any) -> None:
         >>> round(float(state[0].state.hyperparams["learning_rate"]), 6)
         0.01
     """
-    leaves = list(_leaves_of(state))
-    new_states = [_adjusted(leaf, hyper) for leaf in leaves]  # validate all before mutating
-    for leaf, st in zip(leaves, new_states, strict=True):
-        leaf.state = st
+    root, groups, slots = _changed_groups(state, "tg.adjust_", new_state=_adjusted_state(hyper))
+    root.replace(*compact(groups, slots))
 
 
-def adjust(state: Any, **hyper: Any) -> Any:
-    """Pure version of `tg.adjust_`: returns a new state tree."""
-    leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_leaf_state)
-    new: dict[int, Leaf] = {}
-    out = []
-    for leaf in leaves:
-        if isinstance(leaf, Leaf):
-            if id(leaf) not in new:
-                new[id(leaf)] = Leaf(leaf.rule, _adjusted(leaf, hyper), leaf.frozen)
-            out.append(new[id(leaf)])
-        else:
-            out.append(leaf)
-    return jax.tree_util.tree_unflatten(treedef, out)
+def adjust(state: OptState, **hyper: Any) -> OptState:
+    """Pure version of `tg.adjust_` on a whole state: returns a new state."""
+    root, groups, slots = _changed_groups(state, "tg.adjust", new_state=_adjusted_state(hyper))
+    return OptState(*_with_treedef(root, compact(groups, slots)))
+
+
+def _with_treedef(root: OptState, gs: tuple[list[_Group], tuple[Any, ...]]) -> tuple[Any, ...]:
+    return gs[0], root._treedef, gs[1]
 
 
 def freeze_(state: Any) -> None:
-    """Freeze every parameter under `state` (a state or sub-state): no more updates.
+    """Freeze every parameter under `state` (a state, sub-state or Leaf): no more updates.
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -346,14 +338,14 @@ def freeze_(state: Any) -> None:
         >>> model["a"], model["b"]
         (Array([1., 1.], dtype=float32), Array([0.9, 0.9], dtype=float32))
     """
-    for leaf in _leaves_of(state):
-        leaf.frozen = True
+    root, groups, slots = _changed_groups(state, "tg.freeze_", frozen=True)
+    root.replace(groups, slots)
 
 
 def thaw_(state: Any) -> None:
-    """Undo `tg.freeze_` on a state or sub-state."""
-    for leaf in _leaves_of(state):
-        leaf.frozen = False
+    """Undo `tg.freeze_` on a state, sub-state or Leaf."""
+    root, groups, slots = _changed_groups(state, "tg.thaw_", frozen=False)
+    root.replace(groups, slots)
 
 
 def destructure(model: Any) -> tuple[jax.Array, Any]:
