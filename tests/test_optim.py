@@ -249,6 +249,6 @@ def test_sub_state_views_and_errors():
     state = tg.setup(optax.adam(1e-2), model)
     assert "layers.0" in repr(state.layers[0])
     with pytest.raises(AttributeError, match="mirrors the model"):
-        state.nonexistent
-    with pytest.raises(TypeError, match="optimiser state from tg.setup"):
+        _ = state.nonexistent
+    with pytest.raises(TypeError, match=r"optimiser state from tg\.setup"):
         tg.update(model, model, model)
