@@ -21,7 +21,7 @@ import optax
 from ._optstate import Leaf, OptState, _Group, _Slot, build, compact, split
 from ._params import Grads, Params, trainable_leaves_with_path
 from ._paths import rebind
-from ._tree import first_difference, is_differentiable, is_none
+from ._tree import first_difference, is_differentiable
 
 
 def _source(model: Any) -> Any:
@@ -60,7 +60,7 @@ def setup(rule: optax.GradientTransformation, model: Any) -> OptState:
     trainable = {
         id(leaf) for _, leaf in trainable_leaves_with_path(model) if is_differentiable(leaf)
     }
-    leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_none)
+    leaves, treedef = jax.tree_util.tree_flatten(model)
     return build(rule, leaves, trainable, treedef)
 
 
@@ -90,7 +90,8 @@ class _Plan:
     __slots__ = ("groups", "m_def", "m_leaves", "new_params", "slots")
 
     def __init__(self, state: OptState, model: Any, grads: Any, api: str):
-        m_leaves, m_def = jax.tree_util.tree_flatten(model, is_leaf=is_none)
+        # No is_leaf: a Python callback per node would cost more than the rest of the plan.
+        m_leaves, m_def = jax.tree_util.tree_flatten(model)
         if m_def != state._treedef:
             raise ValueError(_mismatch(api, "optimiser state", model, state.layout))
         if isinstance(grads, Grads):
@@ -98,9 +99,12 @@ class _Plan:
             g_leaves = grads.leaves_for(m_leaves)
         else:
             _check_not_wrapped(grads, model, api)
-            g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
-            if g_def != m_def:  # type: ignore[operator]
-                raise ValueError(_mismatch(api, "gradient", model, grads))
+            try:
+                # The gradient has the model's structure, with None where the model
+                # has a non-differentiable leaf.
+                g_leaves = m_def.flatten_up_to(grads)  # type: ignore[attr-defined]
+            except (ValueError, TypeError):
+                raise ValueError(_mismatch(api, "gradient", model, grads)) from None
         groups = state.groups
         slots = state._slots
         params: list[list[Any]] = [[None] * g.n for g in groups]

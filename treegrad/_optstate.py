@@ -27,7 +27,6 @@ from typing import Any
 import jax
 
 from ._module import register_child_type
-from ._tree import is_none
 
 
 class _Slot:
@@ -49,11 +48,18 @@ class _Slot:
         return f"_Slot({self.g}, {self.i})"
 
 
+class _NoSlot:
+    """Marks an array the optimiser does not train (its place in the layout)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "-"
+
+
+NOSLOT = _NoSlot()
 register_child_type(_Slot)
-
-
-def _is_slot(x: Any) -> bool:
-    return x is None or isinstance(x, _Slot)
+register_child_type(_NoSlot)
 
 
 class _Group:
@@ -152,7 +158,7 @@ class _View:
         return self if self._root is None else self._root  # type: ignore[return-value]
 
     def _wrap(self, value: Any, key: Any) -> Any:
-        if value is None:
+        if value is None or value is NOSLOT:
             return None
         root = self._r()
         if isinstance(value, _Slot):
@@ -190,7 +196,7 @@ class _View:
         """Every slot under this (sub-)state, each once."""
         node = self._r().resolve(self._path)
         seen: dict[_Slot, None] = {}
-        for leaf in jax.tree_util.tree_leaves(node, is_leaf=_is_slot):
+        for leaf in jax.tree_util.tree_leaves(node):
             if isinstance(leaf, _Slot):
                 seen[leaf] = None
         return list(seen)
@@ -232,9 +238,8 @@ class OptState(_View):
     @property
     def layout(self) -> Any:
         if self._layout is None:
-            object.__setattr__(
-                self, "_layout", jax.tree_util.tree_unflatten(self._treedef, list(self._slots))
-            )
+            leaves = [NOSLOT if s is None else s for s in self._slots]
+            object.__setattr__(self, "_layout", jax.tree_util.tree_unflatten(self._treedef, leaves))
         return self._layout
 
     def resolve(self, path: tuple[Any, ...]) -> Any:
@@ -274,7 +279,8 @@ class OptState(_View):
             )
         offset = len(self.groups)
         sub = jax.tree_util.tree_unflatten(
-            other._treedef, [None if s is None else _Slot(s.g + offset, s.i) for s in other._slots]
+            other._treedef,
+            [NOSLOT if s is None else _Slot(s.g + offset, s.i) for s in other._slots],
         )
         layout = self.layout
         parent = self.resolve(path)
@@ -282,8 +288,10 @@ class OptState(_View):
             setattr(parent, key, sub)
         else:
             parent[key] = sub
-        leaves, treedef = jax.tree_util.tree_flatten(layout, is_leaf=_is_slot)
-        groups, slots = compact([*self.groups, *other.groups], leaves)
+        leaves, treedef = jax.tree_util.tree_flatten(layout)
+        groups, slots = compact(
+            [*self.groups, *other.groups], [None if x is NOSLOT else x for x in leaves]
+        )
         object.__setattr__(self, "_treedef", treedef)
         self.replace(groups, slots)
 
@@ -393,4 +401,4 @@ def build(rule: Any, leaves: list[Any], trainable: set[int], treedef: Any) -> Op
     return OptState(groups, treedef, tuple(slots))
 
 
-__all__ = ["Leaf", "OptState", "SubState", "build", "compact", "is_none", "member_state", "split"]
+__all__ = ["Leaf", "OptState", "SubState", "build", "compact", "member_state", "split"]
