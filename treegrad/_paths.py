@@ -107,8 +107,10 @@ def _rebind_node(node: Any, changed: dict[int, Any]) -> Any:
             child = d[name]
             updated = _rebind_node(child, changed)
             if updated is not child:
-                setattr(node, name, updated)
-        return node
+                # An array replacing an array leaves the Module's split into
+                # children and static data as it was, so keep its cache: a
+                # setattr would make the next flatten re-derive it.
+                d[name] = updated
     t = type(node)
     if t is list:
         for i, child in enumerate(node):
