@@ -1,5 +1,7 @@
 """The model-tree optimiser against plain optax, in both gradient styles."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +254,35 @@ def test_sub_state_views_and_errors():
         _ = state.nonexistent
     with pytest.raises(TypeError, match=r"optimiser state from tg\.setup"):
         tg.update(model, model, model)
+
+
+def test_donation_reuses_old_buffers_once_each():
+    w = jnp.arange(4.0)
+    model = {"enc": w, "dec": w, "b": jnp.ones(2)}
+    state = tg.setup(optax.adam(0.1), model)
+    g = {"enc": jnp.ones(4), "dec": jnp.ones(4), "b": jnp.ones(2)}
+    _, ref_model = tg.update(state, model, g)
+    _, model2 = tg.update(state, model, g, donate=True)  # tied: donated once, no error
+    assert w.is_deleted() and model["b"].is_deleted()
+    assert model2["enc"] is model2["dec"]
+    np.testing.assert_allclose(model2["enc"], ref_model["enc"])
+
+
+def test_jit_donate_argnums():
+    model = MLP(jax.random.key(0))
+    xs, ys = data()
+    state = tg.setup(optax.adam(1e-2), model)
+
+    @functools.partial(tg.jit, donate_argnums=(0, 1))
+    def step(state, model, x, y):
+        loss, (g,) = tg.withgradient(lambda m: mse(m, x, y), model)
+        state, model = tg.update(state, model, g)
+        return state, model, loss
+
+    old = model.layers[0].weight
+    losses = []
+    for _ in range(5):
+        state, model, loss = step(state, model, xs, ys)
+        losses.append(float(loss))
+    assert old.is_deleted() and not xs.is_deleted()
+    assert losses[-1] < losses[0]

@@ -240,7 +240,18 @@ def _check_constants(
 class Entry:
     """One compiled program for one cache key."""
 
-    __slots__ = ("api", "explicit", "flat", "jitted", "options", "program", "slots", "state", "wrt")
+    __slots__ = (
+        "api",
+        "donate",
+        "explicit",
+        "flat",
+        "jitted",
+        "options",
+        "program",
+        "slots",
+        "state",
+        "wrt",
+    )
 
     def __init__(
         self,
@@ -252,6 +263,7 @@ class Entry:
         slots: tuple[int, ...] | None = None,
         options: tuple[Any, ...] = (),
         guard: Callable[[list[Any]], None] | None = None,
+        donate: tuple[int, ...] = (),
     ):
         self.program = program
         self.flat = flat
@@ -306,7 +318,12 @@ class Entry:
             run = _jaxpr.as_function(closed)
             return _PROGRAMS[program](self, closed, run, aux, dyn)
 
-        self.jitted = jax.jit(pure)
+        if donate:
+            # Positional inputs, so that jax can donate the buffers of some of them.
+            self.jitted = jax.jit(lambda *d: pure(list(d)), donate_argnums=donate)
+        else:
+            self.jitted = jax.jit(pure)
+        self.donate = donate
 
     def arg_trees(self, values: Sequence[Any]) -> Any:
         """One value per dynamic argument leaf, placed in the arguments' structure."""
@@ -442,7 +459,7 @@ def store(key: Any, entry: Entry) -> None:
 
 def execute(key: Any, entry: Entry, dyn: Sequence[Any], f: Any) -> Any:
     """Run an entry; drop it from the cache if its trace proved it uncacheable."""
-    out = entry.jitted(dyn)
+    out = entry.jitted(*dyn) if entry.donate else entry.jitted(dyn)
     if not entry.cacheable:
         _CACHE.pop(key, None)
         if entry.state.hidden:

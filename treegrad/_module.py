@@ -164,7 +164,7 @@ def _make_unflatten(cls: type) -> Any:
     def unflatten(aux: _Static, children: Any) -> Module:
         obj: Module = new(cls)
         d = obj.__dict__
-        d.update(zip(aux.names, children))
+        d.update(zip(aux.names, children))  # noqa: B905 -- jax passes as many as names
         d.update(aux.static)
         set_aux(obj, aux)
         return obj

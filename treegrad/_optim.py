@@ -64,8 +64,7 @@ def setup(rule: optax.GradientTransformation, model: Any) -> OptState:
     return build(rule, leaves, trainable, treedef)
 
 
-@jax.jit
-def _step(groups: list[_Group], params: list[list[Any]], grads: list[list[Any]]) -> Any:
+def _step_impl(groups: list[_Group], params: list[list[Any]], grads: list[list[Any]]) -> Any:
     # Every group's optax update in one XLA computation: one dispatch per step.
     new_groups, new_params = [], []
     for group, p, g in zip(groups, params, grads, strict=True):
@@ -73,6 +72,12 @@ def _step(groups: list[_Group], params: list[list[Any]], grads: list[list[Any]])
         new_groups.append(_Group(group.rule, state, group.n, group.frozen))
         new_params.append(optax.apply_updates(p, updates))
     return new_groups, new_params
+
+
+_step = jax.jit(_step_impl)
+# Each member appears once in its group (tied weights are one member), so no
+# buffer is donated twice.
+_step_donating = jax.jit(_step_impl, donate_argnums=(0, 1))
 
 
 def _check_state(state: Any, api: str) -> OptState:
@@ -89,7 +94,7 @@ class _Plan:
 
     __slots__ = ("groups", "m_def", "m_leaves", "new_params", "slots")
 
-    def __init__(self, state: OptState, model: Any, grads: Any, api: str):
+    def __init__(self, state: OptState, model: Any, grads: Any, api: str, donate: bool = False):
         # No is_leaf: a Python callback per node would cost more than the rest of the plan.
         m_leaves, m_def = jax.tree_util.tree_flatten(model)
         if m_def != state._treedef:
@@ -146,7 +151,7 @@ class _Plan:
         new_groups = list(groups)
         new_params = [list(p) for p in params]
         if active:
-            out_groups, out_params = _step(
+            out_groups, out_params = (_step_donating if donate else _step)(
                 [groups[k] for k in active], [params[k] for k in active], [acc[k] for k in active]
             )
             for k, grp, ps in zip(active, out_groups, out_params, strict=True):
@@ -184,7 +189,9 @@ def _check_not_wrapped(grads: Any, model: Any, api: str) -> None:
         )
 
 
-def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
+def update(
+    state: OptState, model: Any, grads: Any, *, donate: bool = False
+) -> tuple[OptState, Any]:
     """One optimiser step, pure: returns `(new_state, new_model)`.
 
     Arguments:
@@ -192,6 +199,10 @@ def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
         model: the model the gradients were taken for.
         grads: its explicit gradient tree (`None` entries skip a parameter:
             its value and optimiser state are unchanged), or a `tg.Grads`.
+        donate: let XLA reuse the buffers of the updated parameters and of
+            their optimiser state for the new ones, so a large model is not
+            held twice. The old arrays are deleted: use it only when nothing
+            will read the old model or state again.
 
     Returns:
         `(state, model)`, new objects; the inputs are left as they were.
@@ -206,7 +217,7 @@ def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
         Array([0.8, 1.6], dtype=float32)
     """
     state = _check_state(state, "tg.update")
-    plan = _Plan(state, _source(model), grads, "tg.update")
+    plan = _Plan(state, _source(model), grads, "tg.update", donate)
     new_state = OptState(plan.groups, state._treedef, plan.slots)
     return new_state, jax.tree_util.tree_unflatten(plan.m_def, plan.model_leaves())
 
