@@ -219,6 +219,8 @@ def update(
     state = _check_state(state, "tg.update")
     plan = _Plan(state, _source(model), grads, "tg.update", donate)
     new_state = OptState(plan.groups, state._treedef, plan.slots)
+    if plan.slots is state._slots:
+        object.__setattr__(new_state, "_aux", state._aux)  # same layout: reuse its hash
     return new_state, jax.tree_util.tree_unflatten(plan.m_def, plan.model_leaves())
 
 

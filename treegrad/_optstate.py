@@ -224,7 +224,7 @@ class OptState(_View):
     passed through `tg.jit`, saved with `tg.save` and restored with `tg.load`.
     """
 
-    __slots__ = ("_cache", "_layout", "_slots", "_treedef", "groups")
+    __slots__ = ("_aux", "_cache", "_layout", "_slots", "_treedef", "groups")
 
     def __init__(self, groups: list[_Group], treedef: Any, slots: tuple[_Slot | None, ...]):
         super().__init__(None, None, ())
@@ -233,6 +233,7 @@ class OptState(_View):
         object.__setattr__(self, "_slots", slots)
         object.__setattr__(self, "_layout", None)
         object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_aux", None)
 
     # --- layout -------------------------------------------------------------
     @property
@@ -357,25 +358,67 @@ def _changed(group: _Group, change: dict[str, Any]) -> _Group:
     return new
 
 
-def _flatten_state(s: OptState) -> tuple[list[Any], tuple[Any, ...]]:
-    return [g.state for g in s.groups], (
-        s._treedef,
-        s._slots,
-        tuple((g.rule, g.n, g.frozen) for g in s.groups),
-    )
+class _StateAux:
+    """An OptState's static data as treedef aux: hashed once, compared by identity first.
+
+    Hashing the slots costs a Python call per parameter; a training loop passes
+    the same layout every step, so `update` hands the previous step's aux on.
+    """
+
+    __slots__ = ("_hash", "meta", "slots", "treedef")
+
+    def __init__(self, treedef: Any, slots: tuple[Any, ...], meta: tuple[Any, ...]):
+        self.treedef = treedef
+        self.slots = slots
+        self.meta = meta
+        self._hash = hash((treedef, slots, meta))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, _StateAux)
+            and self._hash == other._hash
+            and self.slots == other.slots
+            and self.meta == other.meta
+            and self.treedef == other.treedef
+        )
 
 
-def _flatten_state_with_keys(s: OptState) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+def _aux_of(s: OptState) -> _StateAux:
+    aux = s._aux
+    meta = tuple((g.rule, g.n, g.frozen) for g in s.groups)
+    if (
+        aux is None
+        or aux.slots is not s._slots
+        or aux.treedef is not s._treedef
+        or aux.meta != meta
+    ):
+        aux = _StateAux(s._treedef, s._slots, meta)
+        object.__setattr__(s, "_aux", aux)
+    return aux
+
+
+def _flatten_state(s: OptState) -> tuple[list[Any], _StateAux]:
+    return [g.state for g in s.groups], _aux_of(s)
+
+
+def _flatten_state_with_keys(s: OptState) -> tuple[list[tuple[Any, Any]], _StateAux]:
     children, aux = _flatten_state(s)
     return [(jax.tree_util.GetAttrKey(f"group{k}"), c) for k, c in enumerate(children)], aux
 
 
-def _unflatten_state(aux: tuple[Any, ...], children: Any) -> OptState:
-    treedef, slots, meta = aux
+def _unflatten_state(aux: _StateAux, children: Any) -> OptState:
     groups = [
-        _Group(rule, st, n, frozen) for (rule, n, frozen), st in zip(meta, children, strict=True)
+        _Group(rule, st, n, frozen)
+        for (rule, n, frozen), st in zip(aux.meta, children, strict=True)
     ]
-    return OptState(groups, treedef, slots)
+    state = OptState(groups, aux.treedef, aux.slots)
+    object.__setattr__(state, "_aux", aux)
+    return state
 
 
 jax.tree_util.register_pytree_with_keys(
