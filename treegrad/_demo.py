@@ -38,35 +38,28 @@ def _accuracy(model: Any, x: Any, y: Any) -> float:
     return float(jnp.mean(jnp.argmax(model(x), axis=-1) == y))
 
 
-def _copy(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: a, tree)
-
-
-def _explicit(
-    model: Any, data: list[Any], epochs: int, rule: Any, bar: Any
+def _train(
+    style: str, model: Any, data: list[Any], epochs: int, rule: Any, bar: Any
 ) -> tuple[Any, list[float], float]:
-    state = setup(rule, model)
-    curve: list[Any] = []
-    start = 0.0
-    for _ in range(epochs):
-        for x, y in data:
-            if len(curve) == 1:  # time the steady state, not the first compile
-                jax.block_until_ready(model)
-                start = time.perf_counter()
-            loss, (g,) = withgradient(lambda m: _loss(m, x, y), model)  # noqa: B023
+    """Train in one style; return the model, the loss per step and the steady-state time."""
+    if style == "explicit":
+        state = setup(rule, model)
+
+        def step(x: Any, y: Any) -> Any:
+            nonlocal state, model
+            loss, (g,) = withgradient(lambda m: _loss(m, x, y), model)
             state, model = update(state, model, g)
-            curve.append(loss)
-            bar.update(1)
-    jax.block_until_ready(model)
-    elapsed = time.perf_counter() - start
-    return model, [float(v) for v in curve], elapsed
+            return loss
 
+    else:
+        ps = params(model)
+        state = setup(rule, ps)
 
-def _implicit(
-    model: Any, data: list[Any], epochs: int, rule: Any, bar: Any
-) -> tuple[Any, list[float], float]:
-    ps = params(model)
-    state = setup(rule, ps)
+        def step(x: Any, y: Any) -> Any:
+            loss, grads = withgradient(lambda: _loss(model, x, y), ps)
+            update_(state, ps, grads)
+            return loss
+
     curve: list[Any] = []
     start = 0.0
     for _ in range(epochs):
@@ -74,13 +67,10 @@ def _implicit(
             if len(curve) == 1:  # time the steady state, not the first compile
                 jax.block_until_ready(model)
                 start = time.perf_counter()
-            loss, grads = withgradient(lambda: _loss(model, x, y), ps)  # noqa: B023
-            update_(state, ps, grads)
-            curve.append(loss)
+            curve.append(step(x, y))
             bar.update(1)
     jax.block_until_ready(model)
-    elapsed = time.perf_counter() - start
-    return model, [float(v) for v in curve], elapsed
+    return model, [float(v) for v in curve], time.perf_counter() - start
 
 
 def run(
@@ -102,8 +92,8 @@ def run(
     )
     results = {}
     with tqdm(total=2 * steps, unit="step", desc="training", disable=None) as bar:
-        results["explicit"] = _explicit(_model(seed), data, epochs, rule, bar)
-        results["implicit"] = _implicit(_model(seed), data, epochs, rule, bar)
+        for style in ("explicit", "implicit"):
+            results[style] = _train(style, _model(seed), data, epochs, rule, bar)
 
     print()
     print(f"{'style':<10} {'final loss':>11} {'test accuracy':>14} {'ms/step':>9}")

@@ -41,7 +41,21 @@ _ARRAY_TYPES = (jax.Array, np.ndarray)
 
 
 class RetraceWarning(UserWarning):
-    """A closure captures arrays treegrad cannot track; it is re-traced every call."""
+    """Warned once per function that captures arrays treegrad cannot track.
+
+    Such a function is re-traced on every call, so its result is never stale.
+
+    Examples:
+        >>> import warnings, jax.numpy as jnp, treegrad as tg
+        >>> class Hidden:
+        ...     __slots__ = ("w",)
+        >>> h = Hidden(); h.w = jnp.ones(2)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     g = tg.gradient(lambda v: jnp.sum(v * h.w), jnp.ones(2))
+        >>> caught[0].category is tg.RetraceWarning
+        True
+    """
 
 
 class _Dyn:
@@ -337,21 +351,37 @@ class Entry:
         return not self.state.hidden and not self.state.transient
 
 
-def _grad_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    deps = _jaxpr.dependencies(closed, [0])
-    active = [i for i in entry.wrt if i in deps and _inexact(dyn[i])]
-    if active:
+def _active(
+    entry: Entry, closed: Any, dyn: list[Any], wrt: Sequence[int], outputs: Any
+) -> list[int]:
+    """The positions in `wrt` to differentiate: floating inputs the outputs depend on."""
+    deps = _jaxpr.dependencies(closed, outputs)
+    return [i for i in wrt if i in deps and _inexact(dyn[i])]
 
-        def loss_fn(*xs: Any) -> Any:
-            full = list(dyn)
-            for i, x in zip(active, xs, strict=True):
-                full[i] = x
-            outs = run(*full)
+
+def _of_active(run: Any, dyn: list[Any], active: list[int]) -> Callable[..., list[Any]]:
+    """`run` as a function of the active inputs only, the others held at their values."""
+
+    def fn(*xs: Any) -> list[Any]:
+        full = list(dyn)
+        for i, x in zip(active, xs, strict=True):
+            full[i] = x
+        return run(*full)
+
+    return fn
+
+
+def _grad_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
+    active = _active(entry, closed, dyn, entry.wrt, [0])
+    if active:
+        fn = _of_active(run, dyn, active)
+
+        def loss_and_outputs(*xs: Any) -> tuple[Any, list[Any]]:
+            outs = fn(*xs)
             return outs[0], outs
 
-        _, vjp, outs = jax.vjp(loss_fn, *[dyn[i] for i in active], has_aux=True)
-        cot = vjp(jnp.ones((), outs[0].dtype))
-        by_pos = dict(zip(active, cot, strict=True))
+        _, vjp, outs = jax.vjp(loss_and_outputs, *[dyn[i] for i in active], has_aux=True)
+        by_pos = dict(zip(active, vjp(jnp.ones((), outs[0].dtype)), strict=True))
     else:
         outs = run(*dyn)
         by_pos = {}
@@ -365,33 +395,21 @@ def _expand(positions: tuple[int | None, ...], vjp: Any, dy: Any) -> tuple[Any, 
 
 
 def _pullback_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    deps = _jaxpr.dependencies(closed, range(len(closed.jaxpr.outvars)))
-    active = [i for i in entry.wrt if i in deps and _inexact(dyn[i])]
-
-    def fwd(*xs: Any) -> Any:
-        full = list(dyn)
-        for i, x in zip(active, xs, strict=True):
-            full[i] = x
-        return aux.rebuild(run(*full))
-
-    out, vjp = jax.vjp(fwd, *[dyn[i] for i in active])
+    active = _active(entry, closed, dyn, entry.wrt, range(len(closed.jaxpr.outvars)))
+    fn = _of_active(run, dyn, active)
+    out, vjp = jax.vjp(lambda *xs: aux.rebuild(fn(*xs)), *[dyn[i] for i in active])
     index = {p: k for k, p in enumerate(active)}
     positions = tuple(index.get(i) for i in entry.wrt)
     return out, jax.tree_util.Partial(functools.partial(_expand, positions), vjp)
 
 
 def _jacobian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    deps = _jaxpr.dependencies(closed, [0])
-    active = [i for i in entry.wrt if i in deps and _inexact(dyn[i])]
-
-    def fwd(*xs: Any) -> Any:
-        full = list(dyn)
-        for i, x in zip(active, xs, strict=True):
-            full[i] = x
-        return run(*full)[0]
-
+    active = _active(entry, closed, dyn, entry.wrt, [0])
+    fn = _of_active(run, dyn, active)
     jacs = (
-        jax.jacrev(fwd, argnums=tuple(range(len(active))))(*[dyn[i] for i in active])
+        jax.jacrev(lambda *xs: fn(*xs)[0], argnums=tuple(range(len(active))))(
+            *[dyn[i] for i in active]
+        )
         if active
         else ()
     )
@@ -404,19 +422,14 @@ def _hessian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[A
     # options[1]: the groups of wrt positions (one group per argument); the
     # Hessian of each argument with respect to itself.
     groups: tuple[tuple[int, ...], ...] = entry.options[1]
-    deps = _jaxpr.dependencies(closed, [0])
     result = []
     for group in groups:
-        active = [i for i in group if i in deps and _inexact(dyn[i])]
-
-        def fwd(*xs: Any, active: list[int] = active) -> Any:
-            full = list(dyn)
-            for i, x in zip(active, xs, strict=True):
-                full[i] = x
-            return run(*full)[0]
-
+        active = _active(entry, closed, dyn, group, [0])
+        fn = _of_active(run, dyn, active)
         h = (
-            jax.hessian(fwd, argnums=tuple(range(len(active))))(*[dyn[i] for i in active])
+            jax.hessian(lambda *xs, fn=fn: fn(*xs)[0], argnums=tuple(range(len(active))))(
+                *[dyn[i] for i in active]
+            )
             if active
             else ()
         )
@@ -479,7 +492,15 @@ def execute(key: Any, entry: Entry, dyn: Sequence[Any], f: Any) -> Any:
 
 
 def clear_cache() -> None:
-    """Forget every compiled function (for tests and long-running sessions)."""
+    """Forget every compiled function (for tests and long-running sessions).
+
+    Returns:
+        None. The next call of each function traces and compiles it again.
+
+    Examples:
+        >>> import treegrad as tg
+        >>> tg.clear_cache()
+    """
     _CACHE.clear()
     _WARNED.clear()
 

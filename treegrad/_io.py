@@ -39,6 +39,9 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         path: the file to write (`.npz` is conventional); replaced atomically.
         tree: a model, a state from `tg.setup`, or a tuple of them.
 
+    Returns:
+        None. On any failure the previous file at `path` is left intact.
+
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg, tempfile, os
         >>> model = {"w": jnp.ones(2)}
@@ -87,6 +90,13 @@ def load(path: str | os.PathLike[str], like: Any) -> Any:
     Raises:
         ValueError: the checkpoint does not match `like`; the message names the
             first mismatching path, with the expected and saved shape and dtype.
+
+    Examples:
+        >>> import jax.numpy as jnp, treegrad as tg, tempfile, os
+        >>> f = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
+        >>> tg.save(f, {"w": jnp.arange(3.0)})
+        >>> tg.load(f, {"w": jnp.zeros(3)})["w"]
+        Array([0., 1., 2.], dtype=float32)
     """
     with np.load(os.fspath(path), allow_pickle=False) as data:
         if _MANIFEST not in data:

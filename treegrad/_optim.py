@@ -233,6 +233,9 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
             `tg.Params` built from one.
         grads: the explicit gradient tree, or a `tg.Grads`.
 
+    Returns:
+        None; the model's containers and the state are changed in place.
+
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> model = {"w": jnp.array([1.0, 2.0])}
@@ -321,6 +324,13 @@ def adjust_(state: Any, **hyper: Any) -> None:
     which then gets its own copy of the optimiser state. The rule must come
     from `optax.inject_hyperparams`.
 
+    Arguments:
+        state: an optimiser state, a sub-state or a `tg.Leaf`.
+        **hyper: new values, e.g. `learning_rate=1e-4`.
+
+    Returns:
+        None; the state is changed in place.
+
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> state = tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=0.1), [jnp.ones(2)])
@@ -333,7 +343,24 @@ def adjust_(state: Any, **hyper: Any) -> None:
 
 
 def adjust(state: OptState, **hyper: Any) -> OptState:
-    """Pure version of `tg.adjust_` on a whole state: returns a new state."""
+    """Change hyperparameters, pure: returns a new state with the moments kept.
+
+    Arguments:
+        state: from `tg.setup` with a rule built by `optax.inject_hyperparams`.
+        **hyper: new values, e.g. `learning_rate=1e-4`.
+
+    Returns:
+        A new `OptState`; `state` is unchanged.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> rule = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+        >>> state = tg.setup(rule, {"w": jnp.ones(2)})
+        >>> new = tg.adjust(state, learning_rate=0.5)
+        >>> lr = lambda s: round(float(s["w"].state.hyperparams["learning_rate"]), 6)
+        >>> lr(new), lr(state)
+        (0.5, 0.1)
+    """
     root, groups, slots = _changed_groups(state, "tg.adjust", new_state=_adjusted_state(hyper))
     return OptState(*_with_treedef(root, compact(groups, slots)))
 
@@ -344,6 +371,12 @@ def _with_treedef(root: OptState, gs: tuple[list[_Group], tuple[Any, ...]]) -> t
 
 def freeze_(state: Any) -> None:
     """Freeze every parameter under `state` (a state, sub-state or Leaf): no more updates.
+
+    Arguments:
+        state: the (part of the) optimiser state to freeze.
+
+    Returns:
+        None; the state is changed in place.
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -360,7 +393,21 @@ def freeze_(state: Any) -> None:
 
 
 def thaw_(state: Any) -> None:
-    """Undo `tg.freeze_` on a state, sub-state or Leaf."""
+    """Undo `tg.freeze_` on a state, sub-state or Leaf.
+
+    Arguments:
+        state: the (part of the) optimiser state to update again.
+
+    Returns:
+        None; the state is changed in place.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> state = tg.setup(optax.sgd(0.1), {"w": jnp.ones(2)})
+        >>> tg.freeze_(state["w"]); tg.thaw_(state["w"])
+        >>> state["w"].frozen
+        False
+    """
     root, groups, slots = _changed_groups(state, "tg.thaw_", frozen=False)
     root.replace(groups, slots)
 

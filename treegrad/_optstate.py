@@ -108,6 +108,13 @@ class Leaf:
     `rule` is its optax rule, `state` its part of the optax state (the moments
     for this array, and the counters it shares with the rest of its group),
     `frozen` whether updates skip it.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> state = tg.setup(optax.adam(1e-3), {"w": jnp.ones(3)})
+        >>> leaf = state["w"]
+        >>> leaf.state[0].mu.shape, int(leaf.state[0].count), leaf.frozen
+        ((3,), 0, False)
     """
 
     __slots__ = ("_root", "_slot")
@@ -222,6 +229,17 @@ class OptState(_View):
 
     A pytree (its arrays are the optax states of its groups), so it can be
     passed through `tg.jit`, saved with `tg.save` and restored with `tg.load`.
+
+    Examples:
+        >>> import jax, optax, treegrad as tg
+        >>> from treegrad import nn
+        >>> k1, k2 = jax.random.split(jax.random.key(0))
+        >>> model = nn.Chain(nn.Dense(2, 3, key=k1), nn.Dense(3, 1, key=k2))
+        >>> state = tg.setup(optax.adam(1e-3), model)
+        >>> state[1].bias
+        Leaf(chain)
+        >>> len(jax.tree_util.tree_leaves(state))  # one count, and mu and nu per array
+        9
     """
 
     __slots__ = ("_aux", "_cache", "_layout", "_slots", "_treedef", "groups")

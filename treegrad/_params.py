@@ -25,11 +25,35 @@ from ._tree import describe_leaf, is_differentiable, path_str
 
 
 class NoGradientWarning(UserWarning):
-    """The loss depends on none of the registered parameters."""
+    """Warned when the loss depends on none of the registered parameters.
+
+    Usually the computation was done outside the function passed to
+    `tg.gradient`. Every gradient is then `None`.
+
+    Examples:
+        >>> import warnings, jax.numpy as jnp, treegrad as tg
+        >>> w = jnp.ones(2)
+        >>> out = jnp.sum(w)  # computed outside
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     grads = tg.gradient(lambda: out, tg.Params([w]))
+        >>> caught[0].category is tg.NoGradientWarning, grads[w] is None
+        (True, True)
+    """
 
 
 class NoGradientError(ValueError):
-    """Raised instead of `NoGradientWarning` when `strict=True`."""
+    """Raised instead of `NoGradientWarning` when `strict=True`.
+
+    Examples:
+        >>> import jax.numpy as jnp, treegrad as tg
+        >>> w = jnp.ones(2)
+        >>> try:
+        ...     tg.gradient(lambda: jnp.ones(()), tg.Params([w]), strict=True)
+        ... except tg.NoGradientError:
+        ...     print("no gradient")
+        no gradient
+    """
 
 
 def _restricted(node: Any) -> bool:
@@ -186,6 +210,12 @@ def _convert_numpy(tree: Any) -> None:
 
 def params(xs: Any) -> Params:
     """The parameters of a model: the same as `tg.Params(xs)`.
+
+    Arguments:
+        xs: a model, a container of arrays, or an array.
+
+    Returns:
+        A `tg.Params`.
 
     Examples:
         >>> import jax, treegrad as tg

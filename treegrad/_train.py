@@ -14,7 +14,22 @@ from ._optim import update
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite; `.state` and `.model` are the last good ones."""
+    """Raised by `tg.train` when the loss becomes NaN or infinite.
+
+    Attributes `.model` and `.state` are those of the last good step, and
+    `.losses` the losses up to it.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> model = {"w": jnp.ones(())}
+        >>> data = [(jnp.ones(2),), (jnp.array([jnp.nan, 1.0]),)]
+        >>> loss = lambda m, x: jnp.sum(m["w"] * x)
+        >>> try:
+        ...     tg.train(loss, model, data, tg.setup(optax.sgd(0.1), model))
+        ... except tg.NonFiniteLossError as e:
+        ...     print(len(e.losses), round(float(e.model["w"]), 4))
+        1 0.8
+    """
 
     def __init__(self, message: str, state: Any, model: Any, losses: list[float]):
         super().__init__(message)
@@ -24,7 +39,18 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class StepInfo(NamedTuple):
-    """What a `tg.train` callback receives after each step."""
+    """What a `tg.train` callback receives after each step.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> model = {"w": jnp.ones(())}
+        >>> seen = []
+        >>> loss = lambda m, x: jnp.sum(m["w"] * x)
+        >>> state = tg.setup(optax.sgd(0.1), model)
+        >>> _ = tg.train(loss, model, [(jnp.ones(2),)] * 3, state, callbacks=[seen.append])
+        >>> [(s.epoch, s.step) for s in seen]
+        [(0, 0), (0, 1), (0, 2)]
+    """
 
     epoch: int
     step: int

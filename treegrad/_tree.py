@@ -14,6 +14,13 @@ _INEXACT: dict[Any, bool] = {}
 def is_differentiable(x: Any) -> bool:
     """A differentiable leaf: a `jax.Array` of floating or complex dtype.
 
+    Arguments:
+        x: any pytree leaf.
+
+    Returns:
+        True for float and complex `jax.Array`s; False for integer, bool and
+        key arrays, numpy arrays, Python numbers and everything else.
+
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg
         >>> tg.is_differentiable(jnp.ones(2)), tg.is_differentiable(jnp.arange(2))

@@ -75,6 +75,10 @@ class Dense(Module):
 class Chain(Module):
     """Layers applied in order; indexable (`chain[0]`) and sliceable (`chain[1:]`).
 
+    Arguments:
+        *layers: callables (usually Modules) applied in order; a `key` passed
+            to the chain is split among the layers that take one.
+
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
@@ -117,6 +121,11 @@ class Chain(Module):
 class Embedding(Module):
     """A lookup table: integer indices to rows of `weight` (shape `(vocab, features)`).
 
+    Arguments:
+        vocab_size: number of rows.
+        features: size of each embedding vector.
+        key: PRNG key for the standard-normal initialisation.
+
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
@@ -147,6 +156,10 @@ class Dropout(Module):
 
     Active only in training mode (the default) and given a PRNG key; in test
     mode (`nn.testmode(model)`) it is the identity.
+
+    Arguments:
+        rate: the probability of dropping an element, in [0, 1).
+        training: start in training mode.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -198,10 +211,34 @@ def _set_mode(node: Any, training: bool) -> Any:
 
 
 def testmode(model: Any) -> Any:
-    """A copy of `model` with every layer in test mode (Dropout off, BatchNorm running stats)."""
+    """A copy of `model` with every layer in test mode (Dropout off, BatchNorm running stats).
+
+    Arguments:
+        model: any model; layers with a `training` flag are switched.
+
+    Returns:
+        A new model; `model` is unchanged.
+
+    Examples:
+        >>> from treegrad import nn
+        >>> nn.testmode(nn.Chain(nn.Dropout(0.5)))[0].training
+        False
+    """
     return _set_mode(model, False)
 
 
 def trainmode(model: Any) -> Any:
-    """A copy of `model` with every layer in training mode."""
+    """A copy of `model` with every layer in training mode.
+
+    Arguments:
+        model: any model; layers with a `training` flag are switched.
+
+    Returns:
+        A new model; `model` is unchanged.
+
+    Examples:
+        >>> from treegrad import nn
+        >>> nn.trainmode(nn.Dropout(0.5, training=False)).training
+        True
+    """
     return _set_mode(model, True)

@@ -16,6 +16,11 @@ from ._basic import check_features
 class LayerNorm(Module):
     """Normalise over the last axis, then scale and shift.
 
+    Arguments:
+        features: size of the last axis.
+        eps: added to the variance.
+        affine: learn `scale` and `bias`.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> from treegrad import nn
@@ -55,6 +60,12 @@ _COLLECTOR: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextv
 
 class BatchNorm(Module):
     """Normalise each feature (last axis) over the batch and spatial axes.
+
+    Arguments:
+        features: size of the last axis.
+        momentum: how far running statistics move towards each batch's.
+        eps: added to the variance.
+        training: start in training mode.
 
     In training mode (the default) it uses the statistics of the batch; in test
     mode (`nn.testmode(model)`) the running statistics. The running statistics
@@ -114,10 +125,26 @@ class BatchNorm(Module):
 def with_batch_stats(model: Any, fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
     """Run `fn(*args)` (a forward pass through `model`) and update running statistics.
 
-    Returns `(output, new_model)`: `new_model` is `model` with each BatchNorm
-    that ran in training mode moved towards its batch statistics by its
-    `momentum`. Pure, so it works inside `tg.jit` and in a loss function
-    (return the new model as auxiliary output of `tg.withgradient`).
+    Pure, so it works inside `tg.jit` and in a loss function (return the new
+    model as auxiliary output of `tg.withgradient`).
+
+    Arguments:
+        model: the model holding the BatchNorm layers.
+        fn: the forward pass, e.g. `model` itself or `lambda x: model(x)`.
+        *args: its arguments.
+
+    Returns:
+        `(output, new_model)`: `new_model` is `model` with each BatchNorm that
+        ran in training mode moved towards its batch statistics by its
+        `momentum`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from treegrad import nn
+        >>> bn = nn.BatchNorm(2, momentum=0.5)
+        >>> _, bn = nn.with_batch_stats(bn, bn, jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+        >>> bn.running_mean
+        Array([1. , 1.5], dtype=float32)
     """
     collected: dict[int, tuple[Any, Any]] = {}
     token = _COLLECTOR.set(collected)

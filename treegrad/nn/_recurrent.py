@@ -25,6 +25,12 @@ def _glorot(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 class RNNCell(Module):
     """Elman cell: `h' = activation(Wi @ x + Wh @ h + b)`; output `h'`.
 
+    Arguments:
+        in_features: size of each input.
+        hidden: size of the hidden state.
+        activation: applied to the new state (default tanh).
+        key: PRNG key (Glorot-uniform input weights, orthogonal recurrent weights).
+
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
@@ -68,6 +74,11 @@ class RNNCell(Module):
 class LSTMCell(Module):
     """LSTM cell; the state is `(h, c)`, the output `h`. Gate order: input, forget, cell, output.
 
+    Arguments:
+        in_features: size of each input.
+        hidden: size of `h` and `c`.
+        key: PRNG key for the Glorot-uniform weights.
+
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
@@ -107,6 +118,11 @@ class LSTMCell(Module):
 
 class GRUCell(Module):
     """GRU cell (gate order: reset, update, candidate); the state and output are `h`.
+
+    Arguments:
+        in_features: size of each input.
+        hidden: size of `h`.
+        key: PRNG key for the Glorot-uniform weights.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -150,6 +166,9 @@ class Recurrence(Module):
 
     `Recurrence(cell)(state, xs)` returns `(final_state, ys)` with `ys` stacked
     along time. The state is explicit: pass `cell.initial_state(batch_shape)`.
+
+    Arguments:
+        cell: a Module mapping `(state, x)` to `(new_state, y)`.
 
     Examples:
         >>> import jax, jax.numpy as jnp
