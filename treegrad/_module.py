@@ -10,7 +10,6 @@ everything else is static data carried in the treedef.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import jax
@@ -218,11 +217,6 @@ class Module:
     def __repr__(self) -> str:
         return format_tree(self)
 
-    def named_children(self) -> Iterator[tuple[str, Any]]:
-        """Yield `(attribute name, value)` for every pytree child."""
-        children, aux = _flatten(self)
-        yield from zip(aux.names, children, strict=True)
-
 
 # The slot's descriptor: setting the cache through it skips attribute lookup.
 _AUX_SLOT: Any = Module.__dict__["_tg_aux"]
@@ -230,11 +224,6 @@ _AUX_SLOT: Any = Module.__dict__["_tg_aux"]
 jax.tree_util.register_pytree_with_keys(
     Module, _flatten_with_keys, _make_unflatten(Module), flatten_func=_flatten
 )
-
-
-def trainable_names(module: Module) -> tuple[str, ...] | None:
-    """The attributes of `module` that the optimiser trains (None: all)."""
-    return type(module).__trainable__
 
 
 def format_tree(tree: Any, name: str | None = None) -> str:

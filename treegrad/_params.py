@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._module import Module
-from ._paths import rebind, set_at
+from ._paths import set_at
 from ._tree import describe_leaf, is_differentiable, path_str
 
 
@@ -172,23 +172,10 @@ class Params:
         arrays, paths = self._read()
         return {_name(p, k): a for k, (p, a) in enumerate(zip(paths, arrays, strict=True))}
 
-    def names(self) -> list[str]:
-        return [_name(p, k) for k, p in enumerate(self._read()[1])]
-
     @property
     def source(self) -> Any:
         """The container (or array) the parameters are read from."""
         return self._source
-
-    def assign(self, new: list[Any]) -> None:
-        """Rebind the current parameters to `new` arrays where they live, in place."""
-        if self._standalone:
-            raise TypeError(
-                "cannot update a tg.Params built from a standalone array in place: there is "
-                "no container to rebind it in. Build it from a list, dict or model instead."
-            )
-        arrays = self._read()[0]
-        rebind(self._source, {id(a): n for a, n in zip(arrays, new, strict=True) if a is not n})
 
     def __repr__(self) -> str:
         items = ", ".join(f"{n}: {describe_leaf(a)}" for n, a in self.named().items())
@@ -317,13 +304,6 @@ class Grads(Mapping[Any, Any]):
     def named(self) -> dict[str, Any]:
         """A dict from dotted parameter path to gradient."""
         return dict(zip(self._names_list, self._grads, strict=True))
-
-    @property
-    def params(self) -> list[Any]:
-        return list(self._params)
-
-    def grads(self) -> list[Any]:
-        return list(self._grads)
 
     def map(self, fn: Callable[[Any], Any]) -> Grads:
         """A new `Grads` with `fn` applied to every gradient that is not `None`."""

@@ -37,10 +37,6 @@ def is_differentiable(x: Any) -> bool:
         return r
 
 
-def is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
 def path_str(path: tuple[Any, ...]) -> str:
     """A key path as a dotted string: `l1.weight`, `layers.0.bias`."""
     return jax.tree_util.keystr(path, simple=True, separator=".")
@@ -55,11 +51,6 @@ def describe_leaf(x: Any) -> str:
 
 def is_none(x: Any) -> bool:
     return x is None
-
-
-def leaves_with_none(tree: Any) -> list[Any]:
-    """Leaves of a gradient tree, keeping `None` entries as leaves."""
-    return jax.tree_util.tree_leaves(tree, is_leaf=is_none)
 
 
 def first_difference(a: Any, b: Any) -> str | None:
