@@ -9,6 +9,7 @@ rebuilding the tuple and rebinding it in its own parent.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import jax
@@ -89,51 +90,64 @@ def rebind(root: Any, changed: dict[int, Any]) -> None:
     into children), rebuilding tuples on the way back up; about the cost of one
     flatten. Foreign pytrees fall back to rebinding by key path.
     """
-    if _rebind_node(root, changed) is not root:
+    found: set[int] = set()
+    if _rebind_node(root, changed, found) is not root:
         raise TypeError(
             f"cannot update a {type(root).__name__} in place: it is immutable. Hold parameters "
             "in a tg.Module, a dict or a list, or use the pure tg.update."
         )
+    if len(found) != len(changed):
+        # Never a silent no-op: an array we could not reach would keep its old value.
+        raise TypeError(
+            f"could not rebind {len(changed) - len(found)} parameter(s) inside the "
+            f"{type(root).__name__} in place; use the pure tg.update and keep the model it returns."
+        )
 
 
-def _rebind_node(node: Any, changed: dict[int, Any]) -> Any:
+def _rebind_node(node: Any, changed: dict[int, Any], found: set[int]) -> Any:
     new = changed.get(id(node))
     if new is not None:
+        found.add(id(node))
         return new
     if isinstance(node, Module):
         _, aux = _module_flatten(node)
         d = node.__dict__
         for name in aux.names:
             child = d[name]
-            updated = _rebind_node(child, changed)
+            updated = _rebind_node(child, changed, found)
             if updated is not child:
                 # An array replacing an array leaves the Module's split into
                 # children and static data as it was, so keep its cache: a
                 # setattr would make the next flatten re-derive it.
                 d[name] = updated
+        return node
     t = type(node)
     if t is list:
         for i, child in enumerate(node):
-            updated = _rebind_node(child, changed)
+            updated = _rebind_node(child, changed, found)
             if updated is not child:
                 node[i] = updated
         return node
     if t is dict:
         for k, child in node.items():
-            updated = _rebind_node(child, changed)
+            updated = _rebind_node(child, changed, found)
             if updated is not child:
                 node[k] = updated
         return node
     if isinstance(node, tuple):
-        items = [_rebind_node(child, changed) for child in node]
+        items = [_rebind_node(child, changed, found) for child in node]
         if all(a is b for a, b in zip(items, node, strict=True)):
             return node
         return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
-    if node is None or isinstance(node, (jax.Array, np.ndarray)) or callable(node):
+    if node is None or isinstance(node, (jax.Array, np.ndarray, *_OPAQUE)):
         return node
     # A foreign pytree (an equinox module, say): rebind its leaves by path.
     for path, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
         new = changed.get(id(leaf))
         if new is not None and path:
             set_at(node, path, new)
+            found.add(id(leaf))
     return node
+
+
+_OPAQUE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, str, int, float)
