@@ -14,14 +14,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    session.install("ruff==0.17.6")
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    session.install("-e", ".", "mypy")
+    session.install("-e", ".", "mypy==2.4.1")
     session.run("mypy", "treegrad")
 
 
