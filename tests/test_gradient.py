@@ -224,3 +224,10 @@ def test_compile_reused_across_models_of_same_shape():
     (g2,) = grad(m2)
     assert tg._engine.cache_size() == n
     assert_trees_close(g2, jax.grad(mse)(m2, xs, ys))
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(tg._engine, "MAX_ENTRIES", 3)
+    for k in range(6):
+        assert float(tg.gradient(lambda v, k=k: jnp.sum(v) * k, jnp.ones(()))[0]) == k
+    assert tg._engine.cache_size() == 3

@@ -460,6 +460,10 @@ _PROGRAMS: dict[str, Callable[..., Any]] = {
 
 _CACHE: dict[Any, Entry] = {}
 _WARNED: set[Any] = set()
+# Each entry holds a compiled program; a loop that changes a static value
+# every step (a Python float captured by the loss) would otherwise grow the
+# cache without end. Oldest-first eviction keeps the hit path a plain dict get.
+MAX_ENTRIES = 2048
 
 
 def lookup(key: Any) -> Entry | None:
@@ -467,6 +471,8 @@ def lookup(key: Any) -> Entry | None:
 
 
 def store(key: Any, entry: Entry) -> None:
+    if len(_CACHE) >= MAX_ENTRIES:
+        del _CACHE[next(iter(_CACHE))]
     _CACHE[key] = entry
 
 
