@@ -19,7 +19,7 @@ import jax
 
 from . import _engine as E
 from ._params import Grads, NoGradientError, NoGradientWarning, Params
-from ._tree import describe_leaf
+from ._tree import describe_leaf, path_str
 
 
 def _check_callable(f: Any, api: str) -> None:
@@ -54,7 +54,7 @@ def _explicit_grad(
 class _Implicit:
     """The per-call bookkeeping of implicit mode."""
 
-    __slots__ = ("arrays", "entry", "flat", "key", "paths", "present", "uniq")
+    __slots__ = ("arrays", "entry", "key", "paths", "positions", "uniq")
 
     def __init__(self, program: str, api: str, f: Any, ps: Params, options: tuple[Any, ...]):
         arrays, paths = ps._read()
@@ -73,11 +73,11 @@ class _Implicit:
                 j = index[id(a)] = len(uniq)
                 uniq.append(a)
             slots.append(j)
+        # Per registered parameter: its input position, or -1 if not captured.
         positions = [index.get(id(p), -1) for p in arrays]
         present = tuple(p for p in positions if p >= 0)
-        self.present = positions
+        self.positions = positions
         self.uniq = uniq
-        self.flat = flat
         self.key = (program, options, flat.key, tuple(slots), present)
         entry = E.lookup(self.key)
         if entry is None:
@@ -106,12 +106,10 @@ class _Implicit:
     def place(self, values: tuple[Any, ...]) -> list[Any]:
         """One value per registered parameter: its result, or None if not captured."""
         it = iter(values)
-        return [None if p < 0 else next(it) for p in self.present]
+        return [None if p < 0 else next(it) for p in self.positions]
 
 
 def _label(path: Any) -> str:
-    from ._tree import path_str
-
     return repr(path_str(path)) if path else "array"
 
 
