@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _jaxpr
 from ._capture import capture, describe, materialize
-from ._tree import describe_leaf
+from ._tree import describe_leaf, is_inexact
 
 _ARRAY_TYPES = (jax.Array, np.ndarray)
 
@@ -188,17 +188,6 @@ def split_output(out: Any) -> tuple[list[Any], _Aux]:
         else:
             statics.append(leaf)
     return arrays, _Aux(treedef, tuple(statics))
-
-
-_INEXACT: dict[Any, bool] = {}
-
-
-def _inexact(x: Any) -> bool:
-    dt = x.dtype
-    r = _INEXACT.get(dt)
-    if r is None:
-        r = _INEXACT[dt] = bool(jnp.issubdtype(dt, jnp.inexact))
-    return r
 
 
 def scalar_loss(value: Any, api: str) -> Any:
@@ -356,7 +345,7 @@ def _active(
 ) -> list[int]:
     """The positions in `wrt` to differentiate: floating inputs the outputs depend on."""
     deps = _jaxpr.dependencies(closed, outputs)
-    return [i for i in wrt if i in deps and _inexact(dyn[i])]
+    return [i for i in wrt if i in deps and is_inexact(dyn[i].dtype)]
 
 
 def _of_active(run: Any, dyn: list[Any], active: list[int]) -> Callable[..., list[Any]]:

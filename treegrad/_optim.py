@@ -18,7 +18,7 @@ import jax.flatten_util
 import jax.numpy as jnp
 import optax
 
-from ._optstate import Leaf, OptState, _Group, _Slot, build, compact, split
+from ._optstate import Leaf, OptState, SubState, _Group, _rule_name, _Slot, build, compact, split
 from ._params import Grads, Params, trainable_leaves_with_path
 from ._paths import rebind
 from ._tree import first_difference, is_differentiable
@@ -112,16 +112,7 @@ class _Plan:
                 raise ValueError(_mismatch(api, "gradient", model, grads)) from None
         groups = state.groups
         slots = state._slots
-        params: list[list[Any]] = [[None] * g.n for g in groups]
-        acc: list[list[Any]] = [[None] * g.n for g in groups]
-        for p, s, g in zip(m_leaves, slots, g_leaves, strict=True):
-            if s is None:
-                continue
-            params[s.g][s.i] = p
-            if g is not None:
-                prev = acc[s.g][s.i]
-                # A tied weight: the gradients from each of its places are summed.
-                acc[s.g][s.i] = g if prev is None else prev + g
+        params, acc = _collect(groups, slots, m_leaves, g_leaves)
         # Members without a gradient keep their value and state: split them off.
         missing = {
             _Slot(k, i)
@@ -132,16 +123,7 @@ class _Plan:
         }
         if missing:
             groups, slots = split(groups, slots, missing, frozen=False)
-            # Rebuild the per-group lists for the new numbering.
-            params = [[None] * g.n for g in groups]
-            new_acc: list[list[Any]] = [[None] * g.n for g in groups]
-            for p, s, g in zip(m_leaves, slots, g_leaves, strict=True):
-                if s is not None:
-                    params[s.g][s.i] = p
-                    if g is not None:
-                        prev = new_acc[s.g][s.i]
-                        new_acc[s.g][s.i] = g if prev is None else prev + g
-            acc = new_acc
+            params, acc = _collect(groups, slots, m_leaves, g_leaves)
         self.m_leaves, self.m_def, self.slots = m_leaves, m_def, slots
         active = [
             k
@@ -166,6 +148,23 @@ class _Plan:
             p if s is None else self.new_params[s.g][s.i]
             for p, s in zip(self.m_leaves, self.slots, strict=True)
         ]
+
+
+def _collect(
+    groups: list[_Group], slots: Any, m_leaves: list[Any], g_leaves: list[Any]
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Per group: each member's parameter and gradient (None where it has none)."""
+    params: list[list[Any]] = [[None] * g.n for g in groups]
+    acc: list[list[Any]] = [[None] * g.n for g in groups]
+    for p, s, g in zip(m_leaves, slots, g_leaves, strict=True):
+        if s is None:
+            continue
+        params[s.g][s.i] = p
+        if g is not None:
+            prev = acc[s.g][s.i]
+            # A tied weight: the gradients from each of its places are summed.
+            acc[s.g][s.i] = g if prev is None else prev + g
+    return params, acc
 
 
 def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
@@ -270,8 +269,6 @@ def _view_slots(state: Any, api: str) -> tuple[OptState, set[_Slot]]:
         return state._root, {state._slot}
     if isinstance(state, OptState):
         return state, set(state.slots())
-    from ._optstate import SubState
-
     if isinstance(state, SubState):
         return state._r(), set(state.slots())
     raise TypeError(
@@ -304,8 +301,6 @@ def _adjusted_state(hyper: dict[str, Any]) -> Any:
 
 
 def _rule(group: _Group) -> str:
-    from ._optstate import _rule_name
-
     return _rule_name(group.rule)
 
 
@@ -362,11 +357,8 @@ def adjust(state: OptState, **hyper: Any) -> OptState:
         (0.5, 0.1)
     """
     root, groups, slots = _changed_groups(state, "tg.adjust", new_state=_adjusted_state(hyper))
-    return OptState(*_with_treedef(root, compact(groups, slots)))
-
-
-def _with_treedef(root: OptState, gs: tuple[list[_Group], tuple[Any, ...]]) -> tuple[Any, ...]:
-    return gs[0], root._treedef, gs[1]
+    new_groups, new_slots = compact(groups, slots)
+    return OptState(new_groups, root._treedef, new_slots)
 
 
 def freeze_(state: Any) -> None:

@@ -11,6 +11,15 @@ import numpy as np
 _INEXACT: dict[Any, bool] = {}
 
 
+def is_inexact(dtype: Any) -> bool:
+    """Whether a dtype is floating or complex (memoised: jnp.issubdtype costs ~2us)."""
+    try:
+        return _INEXACT[dtype]
+    except KeyError:
+        r = _INEXACT[dtype] = bool(jnp.issubdtype(dtype, jnp.inexact))
+        return r
+
+
 def is_differentiable(x: Any) -> bool:
     """A differentiable leaf: a `jax.Array` of floating or complex dtype.
 
@@ -26,15 +35,7 @@ def is_differentiable(x: Any) -> bool:
         >>> tg.is_differentiable(jnp.ones(2)), tg.is_differentiable(jnp.arange(2))
         (True, False)
     """
-    if not isinstance(x, jax.Array):
-        return False
-    dt = x.dtype
-    try:
-        return _INEXACT[dt]
-    except KeyError:
-        # dtype -> bool is memoised because jnp.issubdtype costs ~2us per call.
-        r = _INEXACT[dt] = bool(jnp.issubdtype(dt, jnp.inexact))
-        return r
+    return isinstance(x, jax.Array) and is_inexact(x.dtype)
 
 
 def path_str(path: tuple[Any, ...]) -> str:
