@@ -1,5 +1,7 @@
 """Implicit mode: Params, Grads, and the classic Flux/Zygote questions."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -223,10 +225,16 @@ def test_implicit_pullback_and_jacobian():
 
 
 def test_parameter_hidden_in_opaque_object_is_an_error():
-    class Opaque:
+    o = collections.deque([jnp.ones(2)])  # a container treegrad does not see into
+    with pytest.raises(TypeError, match=r"registered parameter \(float32\[2\]\).*cannot see into"):
+        tg.gradient(lambda: jnp.sum(o[0]), tg.Params(o[0]))
+
+
+def test_parameter_in_slotted_object_is_found():
+    class Slotted:
         __slots__ = ("w",)
 
-    o = Opaque()
-    o.w = jnp.ones(2)
-    with pytest.raises(TypeError, match="cannot see into"):
-        tg.gradient(lambda: jnp.sum(o.w), tg.Params(o.w))
+    o = Slotted()
+    o.w = jnp.array([1.0, 2.0])
+    grads = tg.gradient(lambda: jnp.sum(o.w**2), tg.Params(o.w))
+    np.testing.assert_allclose(grads[o.w], [2.0, 4.0])

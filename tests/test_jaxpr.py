@@ -2,37 +2,61 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from treegrad import _jaxpr
+
+
+def _traced(fn, *args):
+    return jax.jit(fn).trace(*args).jaxpr
 
 
 def test_captured_arrays_are_constants_by_identity():
     W = jnp.ones((3, 5))
     s = jnp.asarray(2.0)  # 0-d arrays stay constants too
-    closed, shape = _jaxpr.stage(lambda: jnp.sum(W) * s, [])
-    consts = _jaxpr.constants(closed)
+    consts = _jaxpr.constants(_traced(lambda: jnp.sum(W) * s))
     assert any(c is W for c in consts) and any(c is s for c in consts)
-    assert shape.shape == ()
 
 
 def test_constants_inside_inner_jit_are_found():
     W = jnp.ones(4)
     inner = jax.jit(lambda: jnp.sum(W))
-    closed, _ = _jaxpr.stage(lambda: inner() + 1.0, [])
-    assert any(c is W for c in _jaxpr.constants(closed))
+    assert any(c is W for c in _jaxpr.constants(_traced(lambda: inner() + 1.0)))
 
 
 def test_dependencies_follow_inner_jit():
     inner = jax.jit(lambda a, b: a * 2.0)
-    closed, _ = _jaxpr.stage(
-        lambda a, b, c: inner(a, b) + jnp.sum(c), [jnp.ones(()), jnp.ones(()), jnp.ones(2)]
+    closed = _traced(
+        lambda a, b, c: inner(a, b) + jnp.sum(c), jnp.ones(()), jnp.ones(()), jnp.ones(2)
     )
     assert _jaxpr.dependencies(closed, [0]) == {0, 2}
 
 
-def test_as_function_evaluates_staged_jaxpr():
-    closed, _ = _jaxpr.stage(lambda a, b: (a * b, a + b), [jnp.ones(2), jnp.full(2, 3.0)])
-    out = _jaxpr.as_function(closed)(jnp.full(2, 2.0), jnp.ones(2))
-    np.testing.assert_array_equal(out[0], [2.0, 2.0])
-    np.testing.assert_array_equal(out[1], [3.0, 3.0])
+def test_dependencies_of_a_forward_value_ignore_the_backward_pass():
+    # The engine reads which inputs the loss depends on from the jaxpr of the
+    # whole program (forward and backward): the loss is output 0.
+    def program(a, b):
+        loss, vjp = jax.vjp(lambda a, b: jnp.sum(a**2), a, b)
+        return loss, vjp(jnp.ones(()))
+
+    closed = _traced(program, jnp.ones(2), jnp.ones(2))
+    assert _jaxpr.dependencies(closed, [0]) == {0}
+
+
+def test_trace_then_call_traces_once():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x * 2
+
+    j = jax.jit(f)
+    j.trace(jnp.ones(2))
+    j(jnp.ones(2))
+    assert calls == [1]
+
+
+def test_is_tracer():
+    assert not _jaxpr.is_tracer(jnp.ones(2))
+    seen = []
+    jax.jit(lambda x: seen.append(_jaxpr.is_tracer(x)) or x)(jnp.ones(2))
+    assert seen == [True]

@@ -1,30 +1,31 @@
 """The trace engine shared by explicit mode, implicit mode and `tg.jit`.
 
-One call goes through four steps:
+A call goes through four named steps:
 
-1. `flatten_call`: the function is turned into a pytree of what it captures
-   (`_capture`), and that pytree and the arguments are flattened once. Array
-   leaves are the dynamic inputs; every other leaf is static and, with the
-   treedefs, forms the cache key. A new lambda with the same code, the same
-   static data and the same structure gives an equal key.
-2. On a cache miss, `_Entry` builds a pure function of the flat dynamic inputs
-   and wraps it in `jax.jit`; jax's own C++ cache then handles shapes and
-   dtypes, so the Python key holds no per-leaf avals.
-3. The first time `jax.jit` traces it, the user's function is staged once with
-   `jax.make_jaxpr`; the jaxpr tells which inputs the output depends on (for
-   `None` gradients) and whether any array was captured where the walk could
-   not see it. Such a closure cannot be proven fresh: its entry is dropped after
-   the call, so the next call re-traces, and a `RetraceWarning` names it once.
-4. The staged jaxpr is differentiated (`jax.vjp`, `jax.jacrev`, `jax.hessian`)
-   and the result returned as flat lists the front ends rebuild into trees.
+1. `Call`: the arguments are flattened once; array leaves are inputs, the
+   treedef and the other leaves key the cache, with the function's code.
+2. `lookup`: each cached entry for that key runs its guard (`_guard.Guard`) on
+   the function being called. The guard re-reads every place the function can
+   read a value from, checks the non-array values and returns the arrays.
+   A new lambda of the same code with the same captured values hits.
+3. On a miss, `Entry` walks the function (`_guard.Walk`), generates its guard
+   and wraps `_trace` in `jax.jit`. The first call traces it with
+   `jax.jit(...).trace` and reads the jaxpr (`_jaxpr`): inputs the outputs do
+   not depend on are left out of differentiation (their gradient is `None`),
+   and arrays captured where the walk could not see are reported.
+4. `Entry.run` calls the compiled program with the arrays and writes back any
+   array the function rebound in its captured containers (an in-place update
+   inside a compiled step), so the user sees what an uncompiled run would leave.
 
-Called with tracers (inside `jax.jit`, `jax.vmap`, `jax.grad`, `lax.scan`),
-the same jitted function is simply traced into the outer computation.
+While tracing, the tracers are put into the user's own places (`_guard.Swap`)
+and taken out again afterwards, so the function runs on its real objects.
+The cache holds no user arrays: guards hold code, treedefs, numbers and weak
+references; the program holds what jax compiled.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,33 +34,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _guard as G
 from . import _jaxpr
-from ._capture import capture, describe, materialize
 from ._tree import describe_leaf, is_inexact
-
-_ARRAY_TYPES = (jax.Array, np.ndarray)
 
 
 class RetraceWarning(UserWarning):
     """Warned once per function that captures arrays treegrad cannot track.
 
     Such a function is re-traced on every call, so its result is never stale.
+    treegrad sees into closures, globals, containers, plain objects, classes and
+    pytrees; an array inside, say, a `collections.deque` is out of its sight.
 
     Examples:
-        >>> import warnings, jax.numpy as jnp, treegrad as tg
-        >>> class Hidden:
-        ...     __slots__ = ("w",)
-        >>> h = Hidden(); h.w = jnp.ones(2)
+        >>> import collections, warnings, jax.numpy as jnp, treegrad as tg
+        >>> d = collections.deque([jnp.ones(2)])
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     g = tg.gradient(lambda v: jnp.sum(v * h.w), jnp.ones(2))
+        ...     g = tg.gradient(lambda v: jnp.sum(v * d[0]), jnp.ones(2))
         >>> caught[0].category is tg.RetraceWarning
         True
     """
 
 
 class _Dyn:
-    """Marks the position of a dynamic (array) leaf in the static key."""
+    """Marks an array leaf among an argument tree's static leaves."""
 
     __slots__ = ()
 
@@ -69,56 +68,80 @@ class _Dyn:
 
 DYN = _Dyn()
 
-# Programs: what to do with the staged function.
 GRAD = "grad"  # value and gradient of a scalar output
 PULLBACK = "pullback"  # value and a vector-Jacobian product closure
 JACOBIAN = "jacobian"
 HESSIAN = "hessian"
 CALL = "call"  # plain compiled call (tg.jit)
 
-
-class Flat:
-    """A callable and its arguments, flattened once."""
-
-    __slots__ = ("a_def", "cl_def", "dyn", "key", "n_cl", "statics")
-
-    def __init__(self, f: Any, args: tuple[Any, ...]):
-        cl_leaves, self.cl_def = jax.tree_util.tree_flatten(capture(f))
-        # Functions passed as arguments (a loss handed to a compiled step) are
-        # captured like the function itself, so their arrays are inputs too.
-        a_leaves, self.a_def = jax.tree_util.tree_flatten(tuple(map(capture, args)))
-        self.n_cl = len(cl_leaves)
-        leaves = cl_leaves + a_leaves if a_leaves else cl_leaves
-        is_array = _IS_ARRAY
-        try:
-            mask = [is_array[type(leaf)] for leaf in leaves]
-        except KeyError:
-            mask = [_is_array_type(leaf) for leaf in leaves]
-        self.dyn = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
-        self.statics = tuple([DYN if m else leaf for leaf, m in zip(leaves, mask, strict=True)])
-        try:
-            hash(self.statics)
-            key: Any = self.statics
-        except TypeError:
-            # Unhashable static leaves are keyed by identity.
-            key = tuple(s if _hashable(s) else ("<id>", id(s)) for s in self.statics)
-        self.key = (self.cl_def, self.a_def, key)
-
-    def n_closure_dyn(self) -> int:
-        return sum(1 for s in self.statics[: self.n_cl] if s is DYN)
+_TRACE_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
 
 
-# Whether a leaf type is an array (a dynamic input), memoised per type: the
-# isinstance check against jax.Array goes through an ABC hook costing ~0.3us.
-_IS_ARRAY: dict[type, bool] = {}
+# --- step 1: the call ---------------------------------------------------------
 
 
-def _is_array_type(leaf: Any) -> bool:
-    t = type(leaf)
-    r = _IS_ARRAY.get(t)
-    if r is None:
-        r = _IS_ARRAY[t] = isinstance(leaf, _ARRAY_TYPES)
-    return r
+def root_key(f: Any) -> Any:
+    """What a function's cache entries are filed under: its code, for a function."""
+    t = type(f)
+    if t is G.types.FunctionType:
+        return f.__code__
+    if t is G.types.MethodType:
+        return ("method", root_key(f.__func__), type(f.__self__))
+    if t is G._JITTED_TYPE:
+        return ("jit", root_key(getattr(f, "__wrapped__", None)))
+    if isinstance(f, G.functools.partial):
+        return ("partial", root_key(f.func))
+    return t
+
+
+def _uniq(xs: list[Any]) -> tuple[list[Any], tuple[int, ...] | None]:
+    """`xs` without repeated objects, and where each came from (None: no repeats)."""
+    if len(set(map(id, xs))) == len(xs):
+        return xs, None
+    index: dict[int, int] = {}
+    uniq: list[Any] = []
+    slots = []
+    for x in xs:
+        j = index.get(id(x))
+        if j is None:
+            j = index[id(x)] = len(uniq)
+            uniq.append(x)
+        slots.append(j)
+    return uniq, tuple(slots)
+
+
+def _expand(uniq: Sequence[Any], slots: tuple[int, ...] | None) -> list[Any]:
+    return list(uniq) if slots is None else [uniq[s] for s in slots]
+
+
+class Call:
+    """The roots (the function, and for `tg.jit` callable arguments) and the flat arguments."""
+
+    __slots__ = ("a_def", "a_slots", "a_statics", "a_uniq", "key", "roots")
+
+    def __init__(self, program: str, options: Any, roots: tuple[Any, ...], args: Any):
+        self.roots = roots
+        leaves, self.a_def = jax.tree_util.tree_flatten(args)
+        if G._ARRAY_TYPES.issuperset(map(type, leaves)) or all(map(G.is_array, leaves)):
+            arrays = leaves
+            self.a_statics: Any = None
+        else:
+            arrays = [x for x in leaves if G.is_array(x)]
+            statics = tuple(DYN if G.is_array(x) else x for x in leaves)
+            try:
+                hash(statics)
+                self.a_statics = statics
+            except TypeError:  # unhashable static leaves are keyed by identity
+                self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
+        self.a_uniq, self.a_slots = _uniq(arrays)
+        keys = tuple(map(root_key, roots)) if len(roots) > 1 else root_key(roots[0])
+        self.key = (program, options, keys, self.a_def, self.a_statics, self.a_slots)
 
 
 def _hashable(x: Any) -> bool:
@@ -127,6 +150,9 @@ def _hashable(x: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+# --- outputs --------------------------------------------------------------------
 
 
 class _Aux:
@@ -143,6 +169,26 @@ class _Aux:
         return jax.tree_util.tree_unflatten(
             self.treedef, [next(it) if s is DYN else s for s in self.statics]
         )
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Aux)
+            and self.treedef == other.treedef
+            and len(self.statics) == len(other.statics)
+            and all(a is b or _same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.treedef)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
 
 
 jax.tree_util.register_pytree_node(_Aux, lambda a: ((), a), lambda a, _: a)
@@ -171,12 +217,6 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def pack(aux: _Aux, arrays: Sequence[Any]) -> Packed:
-    if all(s is DYN for s in aux.statics):
-        return Packed(aux.rebuild(arrays), None)
-    return Packed(list(arrays), aux)
-
-
 def split_output(out: Any) -> tuple[list[Any], _Aux]:
     leaves, treedef = jax.tree_util.tree_flatten(out)
     arrays = []
@@ -188,6 +228,39 @@ def split_output(out: Any) -> tuple[list[Any], _Aux]:
         else:
             statics.append(leaf)
     return arrays, _Aux(treedef, tuple(statics))
+
+
+def pack(out: Any) -> Packed:
+    arrays, aux = split_output(out)
+    if all(s is DYN for s in aux.statics):
+        return Packed(out, None)
+    return Packed(arrays, aux)
+
+
+class Written:
+    """Arrays the traced function rebound in its captured places, to write back after a call."""
+
+    __slots__ = ("index", "places", "values")
+
+    def __init__(self, places: tuple[int, ...], index: tuple[int, ...], values: list[Any]):
+        self.places = places
+        self.index = index
+        self.values = values
+
+    @classmethod
+    def of(cls, written: dict[int, Any]) -> Written:
+        places = tuple(sorted(written))
+        # A tied weight rebound at two places is one new array: one output, one object after.
+        uniq, slots = _uniq([written[p] for p in places])
+        index = tuple(range(len(uniq))) if slots is None else slots
+        return cls(places, index, uniq)
+
+
+jax.tree_util.register_pytree_node(
+    Written,
+    lambda w: (w.values, (w.places, w.index)),
+    lambda aux, values: Written(aux[0], aux[1], list(values)),
+)
 
 
 def scalar_loss(value: Any, api: str) -> Any:
@@ -215,210 +288,454 @@ def scalar_loss(value: Any, api: str) -> Any:
     return value
 
 
-class _State:
-    """What the trace found out; read after the call."""
-
-    __slots__ = ("hidden", "transient")
-
-    def __init__(self) -> None:
-        self.hidden: list[Any] = []
-        self.transient = False
+def _conj(g: Any) -> Any:
+    # Steepest ascent for complex parameters (API.md §1): df/dx + i df/dy, the
+    # conjugate of what jax returns, so that `p - lr * g` and optax descend.
+    return jnp.conj(g) if jnp.iscomplexobj(g) else g
 
 
-def _check_constants(
-    closed: Any, before: set[int], state: _State, guard: Callable[[list[Any]], None] | None
-) -> None:
-    hidden = []
-    for c in _jaxpr.constants(closed):
-        if isinstance(c, jax.core.Tracer):
-            state.transient = True
-        elif isinstance(c, jax.Array) and id(c) in before:
-            hidden.append(c)
-    if hidden:
-        if guard is not None:
-            guard(hidden)
-        state.hidden = hidden
+# --- step 3: one compiled program per entry ----------------------------------------
 
 
 class Entry:
-    """One compiled program for one cache key."""
-
-    __slots__ = (
-        "api",
-        "donate",
-        "explicit",
-        "flat",
-        "jitted",
-        "options",
-        "program",
-        "slots",
-        "state",
-        "wrt",
-    )
+    """One compiled program for one cache key and one guard."""
 
     def __init__(
         self,
         program: str,
-        flat: Flat,
-        wrt: tuple[int, ...],
-        *,
         api: str,
-        slots: tuple[int, ...] | None = None,
-        options: tuple[Any, ...] = (),
-        guard: Callable[[list[Any]], None] | None = None,
-        donate: tuple[int, ...] = (),
+        options: Any,
+        call: Call,
+        *,
+        params: Sequence[Any] | None = None,
+        donate: Callable[[Entry], tuple[int, ...]] | None = None,
+        shardings: Callable[[Entry], Any] | None = None,
+        out_shardings: Any = None,
+        statics: dict[Any, Any] | None = None,
     ):
         self.program = program
-        self.flat = flat
-        self.wrt = wrt
         self.api = api
-        self.slots = slots
         self.options = options
-        # Explicit mode: results come back as trees shaped like the arguments,
-        # built while tracing so that jax rebuilds them in C++ on each call.
-        self.explicit = slots is None and program != CALL
-        self.state = _State()
-        cl_def, a_def, statics, n_cl = flat.cl_def, flat.a_def, flat.statics, flat.n_cl
-        state = self.state
+        self.implicit = params is not None
+        # tg.jit: values of static arguments (by position or name), output shardings.
+        self.statics = statics or {}
+        self.out_shardings = out_shardings
+        walk = G.Walk()
+        self.nodes = [walk.node(r, G._describe(r)) for r in call.roots]
+        for cls in G._node_types(call.a_def):
+            if not G._is_library(cls):
+                walk._absolute(cls)
+        for s in call.a_statics or ():
+            walk.fixed(s)
+        for fn in _static_functions(call.a_def):
+            walk.fixed(fn)
+        self.absolute = walk.finish()
+        self.names = walk.names
+        self.n_places = walk.places
+        self.guard = G.Guard(self.nodes, self.absolute)
+        self.a_def, self.a_statics, self.a_slots = call.a_def, call.a_statics, call.a_slots
+        self.n_args = len(call.a_uniq)
+        self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
+        self.demoted = False
+        self.cacheable = True
+        self.hidden: list[Any] = []
+        self.cl_slots: tuple[int, ...] | None = None
+        self.n_cl = 0
+        self.param_pos: tuple[int, ...] = ()
+        self.wrt: tuple[int, ...] = ()
+        self.active: tuple[int, ...] = ()
+        self._donate_fn = donate
+        self._shardings_fn = shardings
+        self._params = params
+        self.jitted: Any = None
 
-        def user(*dyn: Any) -> Any:
-            if slots is not None:
-                dyn = tuple(dyn[s] for s in slots)
-            it = iter(dyn)
-            leaves = [next(it) if s is DYN else s for s in statics]
-            fn = materialize(jax.tree_util.tree_unflatten(cl_def, leaves[:n_cl]))
-            args = tuple(map(materialize, jax.tree_util.tree_unflatten(a_def, leaves[n_cl:])))
-            if program == CALL:
-                names = options[0]
-                n = len(args) - len(names)
-                out = fn(*args[:n], **dict(zip(names, args[n:], strict=True)))
-            else:
-                out = fn(*args)
-            if program in (GRAD, HESSIAN):
-                loss = out[0] if options and options[0] and isinstance(out, tuple) else out
-                loss = scalar_loss(loss, api)
-                arrays, aux = split_output(out)
-                return [loss, *arrays], aux
-            if program == JACOBIAN and not isinstance(out, (jax.Array, np.ndarray)):
-                raise TypeError(
-                    f"{api}: the function must return one array, got {type(out).__name__}"
-                )
-            arrays, aux = split_output(out)
-            return arrays, aux
+    def bind(self, cl: list[Any], a_uniq: list[Any], params: Sequence[Any] | None) -> list[Any]:
+        """Fix what depends on the first call's inputs: ties, parameters, what to differentiate."""
+        cl_uniq, self.cl_slots = _uniq(cl)
+        self.n_cl = len(cl_uniq)
+        dyn = cl_uniq + a_uniq
+        if params is not None:
+            self.param_pos = _positions(cl_uniq, params)
+            self.wrt = tuple(sorted({p for p in self.param_pos if p >= 0}))
+        elif self.program != CALL:
+            self.wrt = tuple(range(self.n_cl, len(dyn)))
+        self.active = tuple(i for i in self.wrt if is_inexact(dyn[i].dtype))
+        self._build()
+        return dyn
 
-        def pure(dyn: list[Any]) -> Any:
-            before = {id(a) for a in jax.live_arrays()}
-            try:
-                closed, (_, aux) = _jaxpr.stage(user, dyn)
-            except TypeError as e:
-                if "valid JAX type" in str(e):
+    def _build(self) -> None:
+        def trace(*dyn: Any) -> Any:
+            return _trace(self, list(dyn))
+
+        kwargs: dict[str, Any] = {}
+        if self._donate_fn is not None:
+            kwargs["donate_argnums"] = self._donate_fn(self)
+        if self._shardings_fn is not None:
+            in_shardings = self._shardings_fn(self)
+            if in_shardings is not None:
+                kwargs["in_shardings"] = in_shardings
+        self.jitted = jax.jit(trace, **kwargs)
+
+    def matches(self, cl: list[Any], params: Sequence[Any] | None) -> list[Any] | None:
+        """The closure's unique inputs if this entry's ties and parameters fit, else None."""
+        cl_uniq, slots = _uniq(cl)
+        if slots != self.cl_slots:
+            return None
+        if params is not None and _positions(cl_uniq, params) != self.param_pos:
+            return None
+        return cl_uniq
+
+    def first_run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
+        """Trace once, read the jaxpr, and run."""
+        before = {id(a) for a in jax.live_arrays()}
+        self.stack.append(roots)
+        try:
+            traced = self.jitted.trace(*dyn)
+        finally:
+            self.stack.pop()
+        closed = traced.jaxpr
+        hidden = [
+            c
+            for c in _jaxpr.constants(closed)
+            if isinstance(c, jax.Array) and not _jaxpr.is_tracer(c) and id(c) in before
+        ]
+        if hidden:
+            self._hidden(hidden)
+        if self.active:
+            deps = _jaxpr.dependencies(closed, range(self.n_deps))
+            live = tuple(i for i in self.active if i in deps)
+            if live != self.active:
+                self.active = live
+                self._build()  # unused inputs: not differentiated; traced again
+        return self.run(roots, dyn)
+
+    n_deps = 0
+
+    def _hidden(self, hidden: list[Any]) -> None:
+        if self._params is not None:
+            ids = {id(p): k for k, p in enumerate(self._params)}
+            for h in hidden:
+                if id(h) in ids:
                     raise TypeError(
-                        f"{api}: the function returned something that is not an array or a "
-                        f"pytree of arrays ({e})"
-                    ) from None
-                raise
-            _check_constants(closed, before, state, guard)
-            run = _jaxpr.as_function(closed)
-            return _PROGRAMS[program](self, closed, run, aux, dyn)
+                        f"{self.api}: the function reaches a registered parameter "
+                        f"({describe_leaf(h)}) through an object treegrad cannot see into, "
+                        "so its gradient cannot be taken. Reach it through a tg.Module, a list, "
+                        "a dict, a plain object, a closure variable or a global instead."
+                    )
+        self.hidden = hidden
+        self.cacheable = False
 
-        if donate:
-            # Positional inputs, so that jax can donate the buffers of some of them.
-            self.jitted = jax.jit(lambda *d: pure(list(d)), donate_argnums=donate)
+    def run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
+        self.stack.append(roots)
+        try:
+            out = self.jitted(*dyn)
+        finally:
+            self.stack.pop()
+        if self.demoted:
+            self.demoted = False
+            self.guard = G.Guard(self.nodes, self.absolute)
+        deps, packed, grads, written = out
+        if written.places:
+            self._write_back(roots, written)
+        return deps, packed, grads
+
+    def _write_back(self, roots: tuple[Any, ...], written: Written) -> None:
+        values: list[Any] = [G.MISSING] * self.n_places
+        for place, k in zip(written.places, written.index, strict=True):
+            values[place] = written.values[k]
+        swap = G.Swap(values, inline=False, record=False)
+        for node, root in zip(self.nodes, roots, strict=True):
+            swap.put(node, root)
+        for node in self.absolute:
+            swap.put(node, None)
+
+    # Used while tracing.
+    def args(self, vals: Sequence[Any]) -> Any:
+        """The arguments rebuilt from their unique arrays (tracers while tracing)."""
+        arrays = _expand(vals, self.a_slots)
+        if self.a_statics is None:
+            leaves = arrays
         else:
-            self.jitted = jax.jit(pure)
-        self.donate = donate
+            it = iter(arrays)
+            leaves = [next(it) if s is DYN else s for s in self.a_statics]
+        return jax.tree_util.tree_unflatten(self.a_def, leaves)
 
-    def arg_trees(self, values: Sequence[Any]) -> Any:
-        """One value per dynamic argument leaf, placed in the arguments' structure."""
-        flat = self.flat
-        it = iter(values)
-        leaves = [next(it) if s is DYN else None for s in flat.statics[flat.n_cl :]]
-        return jax.tree_util.tree_unflatten(flat.a_def, leaves)
+    def arg_trees(self, by_pos: dict[int, Any]) -> Any:
+        """One value per argument array leaf, in the arguments' structure (None elsewhere).
 
-    @property
-    def cacheable(self) -> bool:
-        return not self.state.hidden and not self.state.transient
+        A tied array (the same object at several places) gets its value at its
+        first place and None at the others, like `Grads.to_tree`.
+        """
+        first: set[int] = set()
+        vals = []
+        for u in range(self.n_args) if self.a_slots is None else self.a_slots:
+            vals.append(None if u in first else by_pos.get(self.n_cl + u))
+            first.add(u)
+        if self.a_statics is None:
+            leaves = vals
+        else:
+            it = iter(vals)
+            leaves = [next(it) if s is DYN else None for s in self.a_statics]
+        return jax.tree_util.tree_unflatten(self.a_def, leaves)
+
+    def is_array_leaf(self) -> list[bool]:
+        """For each leaf of the arguments: whether it is an array (an input)."""
+        if self.a_statics is None:
+            return [True] * self.a_def.num_leaves
+        return [s is DYN for s in self.a_statics]
+
+    def arg_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The input positions of each top-level argument's arrays, in leaf order."""
+        is_dyn = self.is_array_leaf()
+        groups = []
+        leaf = array = 0
+        for child in self.a_def.children():
+            pos = []
+            for _ in range(child.num_leaves):
+                if is_dyn[leaf]:
+                    u = array if self.a_slots is None else self.a_slots[array]
+                    pos.append(self.n_cl + u)
+                    array += 1
+                leaf += 1
+            groups.append(tuple(pos))
+        return tuple(groups)
 
 
-def _active(
-    entry: Entry, closed: Any, dyn: list[Any], wrt: Sequence[int], outputs: Any
-) -> list[int]:
-    """The positions in `wrt` to differentiate: floating inputs the outputs depend on."""
-    deps = _jaxpr.dependencies(closed, outputs)
-    return [i for i in wrt if i in deps and is_inexact(dyn[i].dtype)]
+def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:
+    index = {id(a): i for i, a in enumerate(cl_uniq)}
+    return tuple(index.get(id(p), -1) for p in params)
 
 
-def _of_active(run: Any, dyn: list[Any], active: list[int]) -> Callable[..., list[Any]]:
-    """`run` as a function of the active inputs only, the others held at their values."""
+def _static_functions(treedef: Any) -> list[Any]:
+    """User functions held as static data of the Modules in an argument tree."""
+    from ._module import _Static
 
-    def fn(*xs: Any) -> list[Any]:
-        full = list(dyn)
+    out = []
+    stack = [treedef]
+    while stack:
+        td = stack.pop()
+        data = td.node_data()
+        if data is not None and isinstance(data[1], _Static):
+            out.extend(v for _, v in data[1].items if type(v) is G.types.FunctionType)
+        stack.extend(td.children())
+    return out
+
+
+# --- tracing ---------------------------------------------------------------------
+
+
+def _trace(entry: Entry, dyn: list[Any]) -> Any:
+    """The traced program: the user's function run on its own objects, holding tracers."""
+    roots = entry.stack[-1]
+    swap = G.Swap(_expand(dyn[: entry.n_cl], entry.cl_slots))
+    try:
+        fns = [swap.put(node, root) for node, root in zip(entry.nodes, roots, strict=True)]
+        for node in entry.absolute:
+            swap.put(node, None)
+        return _PROGRAMS[entry.program](entry, fns, dyn)
+    finally:
+        swap.restore()
+
+
+def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -> Any:
+    """The user's function as a function of the `active` inputs (the rest held fixed).
+
+    Returns `call(*xs) -> (output, written)`, where `written` maps the places
+    the function rebound to their new values.
+    """
+
+    def call(*xs: Any) -> tuple[Any, dict[int, Any]]:
+        vals = list(dyn)
         for i, x in zip(active, xs, strict=True):
-            full[i] = x
-        return run(*full)
+            vals[i] = x
+        per_place = _expand(vals[: entry.n_cl], entry.cl_slots)
+        inner = None
+        if entry.implicit and active:
+            # Parameters live in the closure: put the differentiated tracers in their places.
+            chosen = set(active)
+            slots = entry.cl_slots or range(entry.n_cl)
+            inner = G.Swap([v if u in chosen else G.MISSING for u, v in zip(slots, per_place)])
+            for node, fn in zip(entry.nodes, fns, strict=True):
+                inner.put(node, fn)
+            for node in entry.absolute:
+                inner.put(node, None)
+        try:
+            args = entry.args(vals[entry.n_cl :])
+            try:
+                if entry.program == CALL:
+                    pos, kw = args
+                    out = _call_with_roots(entry, fns, pos, kw)
+                else:
+                    out = fns[0](*args)
+            except _TRACE_ERRORS as e:
+                raise _traced_value_error(entry, e) from e
+            written: dict[int, Any] = {}
+            settle = G.Settle(per_place, written)
+            try:
+                entry.nodes = [settle.node(n, r) for n, r in zip(entry.nodes, entry.stack[-1])]
+                entry.absolute = [settle.node(n, None) for n in entry.absolute]
+            except G.Unsettled:
+                entry.cacheable = False
+                written = {}
+            entry.demoted = entry.demoted or settle.demoted
+            return out, written
+        finally:
+            if inner is not None:
+                inner.restore()
 
-    return fn
+    return call
 
 
-def _grad_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    active = _active(entry, closed, dyn, entry.wrt, [0])
+def _call_with_roots(entry: Entry, fns: list[Any], pos: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # tg.jit: callable arguments travel as roots and static arguments in the
+    # entry; their places in the arguments hold a marker for the real value.
+    statics = list(entry.statics.values())
+
+    def real(a: Any) -> Any:
+        if type(a) is not RootArg:
+            return a
+        return fns[a.k + 1] if a.k >= 0 else statics[-1 - a.k]
+
+    return fns[0](*map(real, pos), **{k: real(v) for k, v in kw.items()})
+
+
+class RootArg:
+    """Stands for the k-th callable argument of a `tg.jit` call in the static arguments."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is RootArg and other.k == self.k
+
+    def __hash__(self) -> int:
+        return hash((RootArg, self.k))
+
+    def __repr__(self) -> str:
+        return f"<callable argument {self.k}>"
+
+
+def _traced_value_error(entry: Entry, e: Exception) -> Exception:
+    where = _user_frame(e)
+    captured = ", ".join(entry.names[:6])
+    what = (
+        f" It reads these captured arrays, which are traced inputs: {captured}." if captured else ""
+    )
+    msg = (
+        f"{entry.api}: while tracing {where}, a traced array was used where a concrete Python "
+        f"value is needed ({type(e).__name__}: {str(e).splitlines()[0]}).{what} treegrad traces "
+        "every array the function reads (arguments, closure variables, globals) as an input, "
+        "so that it is never stale; its value is not known while compiling. Use a Python "
+        "value instead (e.g. mask.tolist(), or int(n) computed outside the function), use "
+        "jnp.where instead of boolean indexing, or pass the value to a tg.jit function listed "
+        "in static_argnums."
+    )
+    return (IndexError if isinstance(e, IndexError) else TypeError)(msg)
+
+
+def _user_frame(e: BaseException) -> str:
+    """The innermost frame of the user's own code in a traceback: `file:line`."""
+    tb = e.__traceback__
+    found = "the function"
+    while tb is not None:
+        frame = tb.tb_frame
+        name = frame.f_globals.get("__name__")
+        if not G.is_library_module(name) and "/treegrad/" not in frame.f_code.co_filename:
+            found = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
+
+
+def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    active = entry.active
+    call = _user(entry, fns, dyn, active)
+    has_aux = entry.options[0]
+
+    def loss_of(*xs: Any) -> Any:
+        out, written = call(*xs)
+        loss = out[0] if has_aux and isinstance(out, tuple) else out
+        return scalar_loss(loss, entry.api), (out if has_aux else None, written)
+
     if active:
-        fn = _of_active(run, dyn, active)
-
-        def loss_and_outputs(*xs: Any) -> tuple[Any, list[Any]]:
-            outs = fn(*xs)
-            return outs[0], outs
-
-        _, vjp, outs = jax.vjp(loss_and_outputs, *[dyn[i] for i in active], has_aux=True)
-        by_pos = dict(zip(active, vjp(jnp.ones((), outs[0].dtype)), strict=True))
+        loss, vjp, (out, written) = jax.vjp(loss_of, *[dyn[i] for i in active], has_aux=True)
+        grads = [_conj(g) for g in vjp(jnp.ones((), loss.dtype))]
     else:
-        outs = run(*dyn)
-        by_pos = {}
-    grads = tuple(by_pos.get(i) for i in entry.wrt)
-    return pack(aux, outs[1:]), entry.arg_trees(grads) if entry.explicit else grads
+        loss, (out, written) = loss_of()
+        grads = []
+    entry.n_deps = 1
+    return [loss], pack(out), _grads_out(entry, active, grads), Written.of(written)
 
 
-def _expand(positions: tuple[int | None, ...], vjp: Any, dy: Any) -> tuple[Any, ...]:
-    grads = vjp(dy)
-    return tuple(None if p is None else grads[p] for p in positions)
+def _grads_out(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any:
+    by_pos = dict(zip(active, grads, strict=True))
+    if entry.implicit:
+        return tuple(by_pos.get(i) for i in entry.wrt)
+    return entry.arg_trees(by_pos)
 
 
-def _pullback_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    active = _active(entry, closed, dyn, entry.wrt, range(len(closed.jaxpr.outvars)))
-    fn = _of_active(run, dyn, active)
-    out, vjp = jax.vjp(lambda *xs: aux.rebuild(fn(*xs)), *[dyn[i] for i in active])
-    index = {p: k for k, p in enumerate(active)}
-    positions = tuple(index.get(i) for i in entry.wrt)
-    return out, jax.tree_util.Partial(functools.partial(_expand, positions), vjp)
+def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    active = entry.active
+    call = _user(entry, fns, dyn, active)
+    holder: list[Any] = []
+
+    def outputs(*xs: Any) -> Any:
+        out, written = call(*xs)
+        arrays, aux = split_output(out)
+        holder.append(aux)
+        return arrays, written
+
+    arrays, vjp, written = jax.vjp(outputs, *[dyn[i] for i in active], has_aux=True)
+    entry.n_deps = len(arrays)
+    back = jax.tree_util.Partial(_back, vjp)
+    return arrays, Packed(arrays, holder[0]), back, Written.of(written)
 
 
-def _jacobian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    active = _active(entry, closed, dyn, entry.wrt, [0])
-    fn = _of_active(run, dyn, active)
-    jacs = (
-        jax.jacrev(lambda *xs: fn(*xs)[0], argnums=tuple(range(len(active))))(
+def _back(vjp: Any, dy: Any) -> list[Any]:
+    return [_conj(g) for g in vjp(dy)]
+
+
+def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    active = entry.active
+    call = _user(entry, fns, dyn, active)
+
+    def y_of(*xs: Any) -> Any:
+        out, written = call(*xs)
+        if not isinstance(out, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{entry.api}: the function must return one array, got {type(out).__name__}. "
+                "Return a single array (stack several outputs with jnp.stack)."
+            )
+        return out, (out, written)
+
+    if active:
+        jacs, (y, written) = jax.jacrev(y_of, argnums=tuple(range(len(active))), has_aux=True)(
             *[dyn[i] for i in active]
         )
-        if active
-        else ()
-    )
-    by_pos = dict(zip(active, jacs, strict=True))
-    result = tuple(by_pos.get(i) for i in entry.wrt)
-    return entry.arg_trees(result) if entry.explicit else result
+    else:
+        _, (y, written) = y_of()
+        jacs = ()
+    entry.n_deps = 1
+    return [y], Packed(None, None), _grads_out(entry, active, jacs), Written.of(written)
 
 
-def _hessian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    # options[1]: the groups of wrt positions (one group per argument); the
-    # Hessian of each argument with respect to itself.
-    groups: tuple[tuple[int, ...], ...] = entry.options[1]
+def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    # options[1]: the groups of wrt positions (one per argument); each argument's
+    # Hessian with respect to itself.
+    groups = entry.arg_groups()
+    call = _user(entry, fns, dyn, entry.active)
+    loss, written = call(*[dyn[i] for i in entry.active])
+    loss = scalar_loss(loss, entry.api)
     result = []
     for group in groups:
-        active = _active(entry, closed, dyn, group, [0])
-        fn = _of_active(run, dyn, active)
+        active = list(dict.fromkeys(i for i in group if i in entry.active))
+        fn = _user(entry, fns, dyn, active)
         h = (
-            jax.hessian(lambda *xs, fn=fn: fn(*xs)[0], argnums=tuple(range(len(active))))(
-                *[dyn[i] for i in active]
-            )
+            jax.hessian(
+                lambda *xs, fn=fn: scalar_loss(fn(*xs)[0], entry.api),
+                argnums=tuple(range(len(active))),
+            )(*[dyn[i] for i in active])
             if active
             else ()
         )
@@ -432,11 +749,16 @@ def _hessian_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[A
                 for i in group
             )
         )
-    return tuple(result)
+    entry.n_deps = 1
+    return [loss], Packed(None, None), tuple(result), Written.of(written)
 
 
-def _call_program(entry: Entry, closed: Any, run: Any, aux: _Aux, dyn: list[Any]) -> Any:
-    return pack(aux, run(*dyn))
+def _call_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    out, written = _user(entry, fns, dyn, ())()
+    if entry.out_shardings is not None:
+        out = jax.lax.with_sharding_constraint(out, entry.out_shardings)
+    entry.n_deps = 0
+    return [], pack(out), None, Written.of(written)
 
 
 _PROGRAMS: dict[str, Callable[..., Any]] = {
@@ -447,47 +769,83 @@ _PROGRAMS: dict[str, Callable[..., Any]] = {
     CALL: _call_program,
 }
 
-_CACHE: dict[Any, Entry] = {}
+
+# --- step 2 and 4: the cache, and running ------------------------------------------
+
+# Each compiled program costs about 1.5 MB of resident memory (measured on CPU,
+# jax 0.10: see docs/benchmarks.md), so the cache is bounded by a number of
+# programs that keeps it near 200 MB; least recently used first out.
+MAX_ENTRIES = 128
+_CACHE: dict[Any, list[Entry]] = {}
+_LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
 _WARNED: set[Any] = set()
-# Each entry holds a compiled program; a loop that changes a static value
-# every step (a Python float captured by the loss) would otherwise grow the
-# cache without end. Oldest-first eviction keeps the hit path a plain dict get.
-MAX_ENTRIES = 2048
 
 
-def lookup(key: Any) -> Entry | None:
-    return _CACHE.get(key)
+def execute(
+    program: str,
+    api: str,
+    options: Any,
+    roots: tuple[Any, ...],
+    args: Any,
+    *,
+    params: Sequence[Any] | None = None,
+    make: Callable[[Call], Entry] | None = None,
+) -> tuple[Entry, Any]:
+    """Run `roots[0]` under `program`; returns the entry and `(deps, packed, grads)`."""
+    call = Call(program, options, roots, args)
+    bucket = _CACHE.get(call.key)
+    if bucket is not None:
+        for entry in bucket:
+            cl = entry.guard.check(*roots)
+            if cl is None:
+                continue
+            cl_uniq = entry.matches(cl, params)
+            if cl_uniq is None:
+                continue
+            _LRU.move_to_end(id(entry))
+            return entry, entry.run(roots, cl_uniq + call.a_uniq)
+    entry = make(call) if make is not None else Entry(program, api, options, call, params=params)
+    cl = entry.guard.check(*roots)
+    if cl is None:  # pragma: no cover - a guard must accept the values it was built from
+        raise AssertionError("treegrad: a new guard rejected its own function")
+    dyn = entry.bind(cl, call.a_uniq, params)
+    out = entry.first_run(roots, dyn)
+    if entry.cacheable:
+        _store(call.key, entry)
+    elif entry.hidden:
+        _warn_hidden(entry, roots[0])
+    return entry, out
 
 
-def store(key: Any, entry: Entry) -> None:
-    if len(_CACHE) >= MAX_ENTRIES:
-        del _CACHE[next(iter(_CACHE))]
-    _CACHE[key] = entry
+def _store(key: Any, entry: Entry) -> None:
+    _CACHE.setdefault(key, []).insert(0, entry)
+    _LRU[id(entry)] = (key, entry)
+    while len(_LRU) > MAX_ENTRIES:
+        _, (old_key, old) = _LRU.popitem(last=False)
+        bucket = _CACHE[old_key]
+        bucket.remove(old)
+        if not bucket:
+            del _CACHE[old_key]
 
 
-def execute(key: Any, entry: Entry, dyn: Sequence[Any], f: Any) -> Any:
-    """Run an entry; drop it from the cache if its trace proved it uncacheable."""
-    out = entry.jitted(*dyn) if entry.donate else entry.jitted(dyn)
-    if not entry.cacheable:
-        _CACHE.pop(key, None)
-        if entry.state.hidden:
-            code = getattr(f, "__code__", None) or type(f)
-            if code not in _WARNED:
-                _WARNED.add(code)
-                what = ", ".join(describe_leaf(h) for h in entry.state.hidden[:5])
-                warnings.warn(
-                    f"treegrad cannot cache {describe(f)}: it captures {len(entry.state.hidden)} "
-                    f"array(s) ({what}) through objects it cannot see into, so it is re-traced "
-                    "on every call to stay correct. Pass these arrays as arguments, or hold "
-                    "them in a tg.Module, list, dict or a closure variable.",
-                    RetraceWarning,
-                    stacklevel=4,
-                )
-    return out
+def _warn_hidden(entry: Entry, f: Any) -> None:
+    code = getattr(f, "__code__", None) or type(f)
+    if code in _WARNED:
+        return
+    _WARNED.add(code)
+    what = ", ".join(describe_leaf(h) for h in entry.hidden[:5])
+    warnings.warn(
+        f"treegrad cannot cache {G._describe(f)}: it captures {len(entry.hidden)} array(s) "
+        f"({what}) through objects it cannot see into, so it is re-traced on every call to "
+        "stay correct. Pass these arrays as arguments, or hold them in a tg.Module, list, "
+        "dict, plain object or a closure variable.",
+        RetraceWarning,
+        stacklevel=4,
+    )
 
 
 def clear_cache() -> None:
-    """Forget every compiled function (for tests and long-running sessions).
+    """Forget every compiled function and every memo (for tests and long sessions).
 
     Returns:
         None. The next call of each function traces and compiles it again.
@@ -497,8 +855,10 @@ def clear_cache() -> None:
         >>> tg.clear_cache()
     """
     _CACHE.clear()
+    _LRU.clear()
     _WARNED.clear()
+    G.clear()
 
 
 def cache_size() -> int:
-    return len(_CACHE)
+    return len(_LRU)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import jax
 
 from . import _engine as E
 from ._params import Grads, NoGradientError, NoGradientWarning, Params
-from ._tree import describe_leaf, path_str
+from ._tree import path_str
 
 
 def _check_callable(f: Any, api: str) -> None:
@@ -30,83 +31,72 @@ def _check_callable(f: Any, api: str) -> None:
         )
 
 
-def _explicit_entry(
-    program: str, api: str, f: Any, args: tuple[Any, ...], options: tuple[Any, ...] = ()
-) -> tuple[Any, E.Entry, E.Flat]:
-    flat = E.Flat(f, args)
-    key = (program, options, flat.key)
-    entry = E.lookup(key)
-    if entry is None:
-        wrt = tuple(range(flat.n_closure_dyn(), len(flat.dyn)))
-        entry = E.Entry(program, flat, wrt, api=api, options=options)
-        E.store(key, entry)
-    return key, entry, flat
+def _check_style(f: Any, api: str, args: tuple[Any, ...], ps: Params | None) -> None:
+    """Clear errors for the two styles mixed up: the usual first mistakes."""
+    if not args:
+        raise TypeError(
+            f"{api} got no argument to differentiate with respect to. Explicit style: "
+            f"{api}(lambda m: loss(m, x, y), model); implicit style: "
+            f"{api}(lambda: loss(model, x, y), tg.params(model))."
+        )
+    n = _positional_arity(f)
+    if n is None:
+        return
+    if ps is not None and n > 0:
+        raise TypeError(
+            f"{api}: implicit style (a tg.Params as the only argument) calls the function with "
+            f"no arguments, but {_describe(f)} takes {n}. Write "
+            f"{api}(lambda: loss(model, x, y), ps), or use explicit style: "
+            f"{api}(lambda m: loss(m, x, y), model)."
+        )
+    if ps is None and n < len(args) and n >= 0:
+        if n == 0:
+            raise TypeError(
+                f"{api}: {_describe(f)} takes no arguments but was given {len(args)} to "
+                "differentiate. For implicit style pass the parameters: "
+                f"{api}(lambda: loss(model, x, y), tg.params(model)); for explicit style let "
+                f"the function take the model: {api}(lambda m: loss(m, x, y), model)."
+            )
+        raise TypeError(
+            f"{api}: {_describe(f)} takes {n} positional argument(s) but was given "
+            f"{len(args)}; gradient passes each argument after the function to it."
+        )
 
 
-def _explicit_grad(
-    api: str, f: Any, args: tuple[Any, ...], has_aux: bool
-) -> tuple[Any, tuple[Any, ...]]:
-    key, entry, flat = _explicit_entry(E.GRAD, api, f, args, (has_aux,))
-    packed, grads = E.execute(key, entry, flat.dyn, f)
-    return packed.value(), grads
+def _positional_arity(f: Any) -> int | None:
+    """How many positional arguments `f` takes (None: any number, or unknown)."""
+    code = getattr(f, "__code__", None)
+    if code is None or not isinstance(f, FunctionType):
+        return None
+    if code.co_flags & 0x04:  # *args
+        return None
+    n = code.co_argcount
+    return n
+
+
+def _describe(f: Any) -> str:
+    name = getattr(f, "__qualname__", None) or type(f).__name__
+    return "the lambda" if name.endswith("<lambda>") else name
+
+
+def _explicit(program: str, api: str, f: Any, args: tuple[Any, ...], options: Any) -> Any:
+    return E.execute(program, api, options, (f,), args)
 
 
 class _Implicit:
-    """The per-call bookkeeping of implicit mode."""
+    """One implicit-mode call: the parameters read from their `Params`, and the results."""
 
-    __slots__ = ("arrays", "entry", "key", "paths", "positions", "uniq")
+    __slots__ = ("arrays", "entry", "out", "paths")
 
-    def __init__(self, program: str, api: str, f: Any, ps: Params, options: tuple[Any, ...]):
-        arrays, paths = ps._read()
-        self.arrays = arrays
-        self.paths = paths
-        flat = E.Flat(f, ())
-        # Inputs are de-duplicated by identity, so an array reached twice (a
-        # tied weight, or a parameter reached through two containers) is one
-        # input of the staged function and gets one, total, gradient.
-        index: dict[int, int] = {}
-        uniq: list[Any] = []
-        slots = []
-        for a in flat.dyn:
-            j = index.get(id(a))
-            if j is None:
-                j = index[id(a)] = len(uniq)
-                uniq.append(a)
-            slots.append(j)
-        # Per registered parameter: its input position, or -1 if not captured.
-        positions = [index.get(id(p), -1) for p in arrays]
-        present = tuple(p for p in positions if p >= 0)
-        self.positions = positions
-        self.uniq = uniq
-        self.key = (program, options, flat.key, tuple(slots), present)
-        entry = E.lookup(self.key)
-        if entry is None:
-            ids = {id(a): p for a, p in zip(arrays, paths, strict=True)}
+    def __init__(self, program: str, api: str, f: Any, ps: Params, options: Any):
+        self.arrays, self.paths = ps._read()
+        self.entry, self.out = E.execute(program, api, options, (f,), (), params=self.arrays)
 
-            def guard(hidden: list[Any]) -> None:
-                for h in hidden:
-                    if id(h) in ids:
-                        raise TypeError(
-                            f"{api}: the function reaches the parameter "
-                            f"{_label(ids[id(h)])} ({describe_leaf(h)}) through an object "
-                            "treegrad cannot see into, so its gradient cannot be taken. "
-                            "Reach it through a tg.Module, a list, a dict, a closure variable "
-                            "or a global instead."
-                        )
-
-            entry = E.Entry(
-                program, flat, present, api=api, slots=tuple(slots), options=options, guard=guard
-            )
-            E.store(self.key, entry)
-        self.entry = entry
-
-    def run(self, f: Any) -> Any:
-        return E.execute(self.key, self.entry, self.uniq, f)
-
-    def place(self, values: tuple[Any, ...]) -> list[Any]:
-        """One value per registered parameter: its result, or None if not captured."""
-        it = iter(values)
-        return [None if p < 0 else next(it) for p in self.positions]
+    def place(self, values: Any) -> list[Any]:
+        """One value per registered parameter: its result, or None where it has none."""
+        entry = self.entry
+        by_pos = dict(zip(entry.wrt, values, strict=True))
+        return [None if p < 0 else by_pos.get(p) for p in entry.param_pos]
 
 
 def _label(path: Any) -> str:
@@ -115,11 +105,12 @@ def _label(path: Any) -> str:
 
 def _implicit_grad(api: str, f: Any, ps: Params, has_aux: bool, strict: bool) -> tuple[Any, Grads]:
     call = _Implicit(E.GRAD, api, f, ps, (has_aux,))
-    packed, grads = call.run(f)
+    deps, packed, grads = call.out
     values = call.place(grads)
-    if all(g is None for g in values):
+    if values and all(g is None for g in values):
         _no_gradient(api, strict, len(values))
-    return packed.value(), Grads(call.arrays, values, call.paths)
+    value = packed.value() if has_aux else deps[0]
+    return value, Grads(call.arrays, values, call.paths)
 
 
 def _no_gradient(api: str, strict: bool, n: int) -> None:
@@ -139,6 +130,11 @@ def _split_implicit(args: tuple[Any, ...]) -> Params | None:
     if len(args) == 1 and isinstance(args[0], Params):
         return args[0]
     return None
+
+
+def _explicit_grad(api: str, f: Any, args: tuple[Any, ...], has_aux: bool) -> tuple[Any, Any]:
+    _, (deps, packed, grads) = _explicit(E.GRAD, api, f, args, (has_aux,))
+    return (packed.value() if has_aux else deps[0]), grads
 
 
 def gradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> Any:
@@ -178,6 +174,7 @@ def gradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> Any:
     """
     _check_callable(f, "tg.gradient")
     ps = _split_implicit(args)
+    _check_style(f, "tg.gradient", args, ps)
     if ps is not None:
         return _implicit_grad("tg.gradient", f, ps, False, strict)[1]
     return _explicit_grad("tg.gradient", f, args, False)[1]
@@ -207,6 +204,7 @@ def withgradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> tup
     """
     _check_callable(f, "tg.withgradient")
     ps = _split_implicit(args)
+    _check_style(f, "tg.withgradient", args, ps)
     if ps is not None:
         return _implicit_grad("tg.withgradient", f, ps, True, strict)
     return _explicit_grad("tg.withgradient", f, args, True)
@@ -216,16 +214,32 @@ _BACK = jax.jit(lambda back, dy: back(dy))
 
 
 class Pullback:
-    """The backward function returned by `tg.pullback`: `back(dy)` gives gradients."""
+    """The backward function returned by `tg.pullback`: `back(dy)` gives gradients.
 
-    __slots__ = ("_back", "_place")
+    `dy` has the structure of the output; `back(None)` (no cotangent) gives
+    `None` for every gradient, as a structural zero.
+    """
 
-    def __init__(self, back: Any, place: Callable[[tuple[Any, ...]], Any]):
+    __slots__ = ("_aux", "_back", "_none", "_place")
+
+    def __init__(self, back: Any, aux: Any, place: Callable[[Any], Any], none: Any):
         self._back = back
+        self._aux = aux
         self._place = place
+        self._none = none
 
     def __call__(self, dy: Any) -> Any:
-        return self._place(_BACK(self._back, dy))
+        if dy is None:
+            return self._none
+        try:
+            leaves = self._aux.treedef.flatten_up_to(dy)
+        except (ValueError, TypeError):
+            raise ValueError(
+                "tg.pullback: the cotangent does not have the structure of the output "
+                f"({self._aux.treedef}); pass one array per output array, shaped like it."
+            ) from None
+        arrays = [d for d, s in zip(leaves, self._aux.statics, strict=True) if s is E.DYN]
+        return self._place(_BACK(self._back, arrays))
 
 
 def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
@@ -237,7 +251,8 @@ def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
 
     Returns:
         `(y, back)`: `back(dy)` returns a tuple like `tg.gradient` (a `tg.Grads`
-        in implicit mode), with `None` for leaves `y` does not depend on.
+        in implicit mode), with `None` for leaves `y` does not depend on;
+        `back(None)` returns `None` for every gradient.
 
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg
@@ -247,13 +262,21 @@ def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
     """
     _check_callable(f, "tg.pullback")
     ps = _split_implicit(args)
+    _check_style(f, "tg.pullback", args, ps)
     if ps is not None:
         call = _Implicit(E.PULLBACK, "tg.pullback", f, ps, ())
-        out, back = call.run(f)
-        return out, Pullback(back, lambda g: Grads(call.arrays, call.place(g), call.paths))
-    key, entry, flat = _explicit_entry(E.PULLBACK, "tg.pullback", f, args)
-    out, back = E.execute(key, entry, flat.dyn, f)
-    return out, Pullback(back, entry.arg_trees)
+        _, packed, back = call.out
+        arrays, paths = call.arrays, call.paths
+        none = Grads(arrays, [None] * len(arrays), paths)
+        place = lambda g: Grads(arrays, call.place(g), paths)  # noqa: E731
+        return packed.value(), Pullback(back, packed.aux, place, none)
+    entry, (_, packed, back) = _explicit(E.PULLBACK, "tg.pullback", f, args, ())
+    active = entry.active
+
+    def place(g: Any) -> Any:
+        return entry.arg_trees(dict(zip(active, g, strict=True)))
+
+    return packed.value(), Pullback(back, packed.aux, place, entry.arg_trees({}))
 
 
 def jacobian(f: Callable[..., Any], *args: Any) -> Any:
@@ -277,11 +300,11 @@ def jacobian(f: Callable[..., Any], *args: Any) -> Any:
     """
     _check_callable(f, "tg.jacobian")
     ps = _split_implicit(args)
+    _check_style(f, "tg.jacobian", args, ps)
     if ps is not None:
         call = _Implicit(E.JACOBIAN, "tg.jacobian", f, ps, ())
-        return Grads(call.arrays, call.place(call.run(f)), call.paths)
-    key, entry, flat = _explicit_entry(E.JACOBIAN, "tg.jacobian", f, args)
-    return E.execute(key, entry, flat.dyn, f)
+        return Grads(call.arrays, call.place(call.out[2]), call.paths)
+    return _explicit(E.JACOBIAN, "tg.jacobian", f, args, ())[1][2]
 
 
 def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
@@ -307,20 +330,15 @@ def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
     _check_callable(f, "tg.hessian")
     if _split_implicit(args) is not None:
         raise TypeError("tg.hessian takes explicit arguments; pass the arrays, not a tg.Params.")
-    flat = E.Flat(f, args)
-    groups = _arg_groups(flat)
-    key = (E.HESSIAN, groups, flat.key)
-    entry = E.lookup(key)
-    if entry is None:
-        wrt = tuple(i for g in groups for i in g)
-        entry = E.Entry(E.HESSIAN, flat, wrt, api="tg.hessian", options=(False, groups))
-        E.store(key, entry)
-    blocks = E.execute(key, entry, flat.dyn, f)
+    _check_style(f, "tg.hessian", args, None)
+    entry, (_, _, blocks) = _explicit(E.HESSIAN, "tg.hessian", f, args, (False,))
     out = []
-    offset = flat.n_cl
-    for treedef, block in zip(_children(flat.a_def), blocks, strict=True):
-        statics = flat.statics[offset : offset + treedef.num_leaves]
-        offset += treedef.num_leaves
+    groups = entry.arg_groups()
+    offset = 0
+    for treedef, group, block in zip(entry.a_def.children(), groups, blocks, strict=True):
+        n = treedef.num_leaves
+        statics = (E.DYN,) * n if entry.a_statics is None else entry.a_statics[offset : offset + n]
+        offset += n
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:
             out.append(block[0][0] if statics[0] is E.DYN else None)
             continue
@@ -335,21 +353,3 @@ def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
             outer.append(jax.tree_util.tree_unflatten(treedef, inner))
         out.append(jax.tree_util.tree_unflatten(treedef, outer))
     return tuple(out)
-
-
-def _arg_groups(flat: E.Flat) -> tuple[tuple[int, ...], ...]:
-    """The dynamic-input positions of each top-level argument."""
-    groups = []
-    pos = flat.n_closure_dyn()
-    offset = flat.n_cl
-    for child in _children(flat.a_def):
-        segment = flat.statics[offset : offset + child.num_leaves]
-        offset += child.num_leaves
-        n_dyn = sum(s is E.DYN for s in segment)
-        groups.append(tuple(range(pos, pos + n_dyn)))
-        pos += n_dyn
-    return tuple(groups)
-
-
-def _children(treedef: Any) -> list[Any]:
-    return list(treedef.children())

@@ -1,50 +1,52 @@
 """Every use of jaxpr internals in treegrad, in one place.
 
-The engine stages the user's function once with `jax.make_jaxpr` (public) and
-reads two things off the result that no public API gives:
+When the engine compiles a function it traces it once with `jax.jit(...).trace`
+(public) and reads two things off the traced jaxpr that no public API gives:
 
-- which inputs the output depends on, so an unused parameter gets `None` (a
+- which inputs the outputs depend on, so an unused parameter gets `None` (a
   structural zero) instead of an array of zeros;
-- which constants the trace closed over, so an array captured where the closure
-  walk could not see (and so could go stale) is found and reported.
+- which constants the trace closed over, so an array captured where the guard
+  walk could not see it (and so could go stale) is found and reported.
 
-It then evaluates the staged jaxpr with `jax.extend.core.jaxpr_as_fun`, so the
-user's Python runs once per trace. `tests/test_jaxpr.py` pins each of these
-behaviours and fails loudly if a JAX upgrade changes them (jax 0.11 merges
-`ClosedJaxpr` into `Jaxpr`).
+`tests/test_jaxpr.py` pins each of these behaviours and fails loudly if a JAX
+upgrade changes them (jax 0.11 made `ClosedJaxpr` an alias of `Jaxpr`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 from jax.extend import core as jex
 
-ClosedJaxpr = jex.ClosedJaxpr
+_JAXPR_TYPES = tuple({jex.ClosedJaxpr, jex.Jaxpr})
 
 
-def stage(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Any]:
-    """Trace `fn(*args)` once; return `(closed_jaxpr, output shape tree)`."""
-    return jax.make_jaxpr(fn, return_shape=True)(*args)
+def is_tracer(x: Any) -> bool:
+    """Whether `x` is a value being traced (inside jit, grad, vmap...)."""
+    return isinstance(x, jax.core.Tracer)
 
 
-def as_function(closed: Any) -> Callable[..., list[Any]]:
-    """A callable evaluating a closed jaxpr on flat inputs, returning flat outputs."""
-    return jex.jaxpr_as_fun(closed)
+def _inner(closed: Any) -> Any:
+    """The open jaxpr of a closed one (the same object from jax 0.11 on)."""
+    return getattr(closed, "jaxpr", closed)
+
+
+def _consts(closed: Any) -> list[Any]:
+    return list(getattr(closed, "consts", ()))
 
 
 def _closed_subjaxprs(params: dict[str, Any]) -> Iterator[Any]:
     for value in params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for item in items:
-            if isinstance(item, (jex.ClosedJaxpr, jex.Jaxpr)):
+            if isinstance(item, _JAXPR_TYPES):
                 yield item
 
 
 def constants(closed: Any) -> list[Any]:
-    """All constants a closed jaxpr holds, including those of inner jaxprs.
+    """All constants a traced jaxpr holds, including those of inner jaxprs.
 
     A constant captured inside an inner `jax.jit` sits in that equation's own
     closed jaxpr, not at the top level, hence the recursion.
@@ -56,10 +58,9 @@ def constants(closed: Any) -> list[Any]:
         if id(j) in seen:
             return
         seen.add(id(j))
-        if isinstance(j, jex.ClosedJaxpr):
-            out.extend(j.consts)
-            j = j.jaxpr
-        for eqn in j.eqns:
+        out.extend(_consts(j))
+        jaxpr = _inner(j)
+        for eqn in jaxpr.eqns:
             for v in eqn.invars:
                 if isinstance(v, jex.Literal) and isinstance(v.val, jax.Array):
                     out.append(v.val)
@@ -77,7 +78,7 @@ def dependencies(closed: Any, outputs: Sequence[int]) -> set[int]:
     primitives (scan, cond, custom_jvp, ...) count every input as used, which
     can only turn a `None` into a zero gradient, never the reverse.
     """
-    jaxpr = closed.jaxpr if isinstance(closed, jex.ClosedJaxpr) else closed
+    jaxpr = _inner(closed)
     outvars = [jaxpr.outvars[i] for i in outputs]
     live = _live_inputs(jaxpr, outvars)
     return {i for i, v in enumerate(jaxpr.invars) if v in live}
@@ -90,8 +91,8 @@ def _live_inputs(jaxpr: Any, outvars: Sequence[Any]) -> set[Any]:
         if not used_outs:
             continue
         sub = eqn.params.get("jaxpr")
-        if eqn.primitive.name in ("pjit", "jit") and isinstance(sub, jex.ClosedJaxpr):
-            inner = sub.jaxpr
+        if eqn.primitive.name in ("pjit", "jit") and isinstance(sub, _JAXPR_TYPES):
+            inner = _inner(sub)
             inner_live = _live_inputs(inner, [inner.outvars[i] for i in used_outs])
             for v, inner_v in zip(eqn.invars, inner.invars, strict=True):
                 if inner_v in inner_live and isinstance(v, jex.Var):

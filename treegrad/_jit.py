@@ -1,96 +1,249 @@
-"""`tg.jit`: compile a function of models and arrays with the shared engine."""
+"""`tg.jit`: compile a function of models and arrays with the shared engine.
+
+Arguments are flattened: array leaves are traced, every other leaf is static
+and keys the cache. Callable arguments (a loss handed to a compiled step) are
+guarded like the function itself, so the arrays they capture are inputs too.
+What the function reads from its closure and globals is guarded as in
+`tg.gradient`; arrays it rebinds there (an implicit-style `tg.update_` inside
+the step) are outputs of the compiled call and are written back afterwards.
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from . import _engine as E
+from . import _guard as G
+
+_FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
+
+
+def _int_tuple(value: Any, name: str) -> tuple[int, ...]:
+    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(items, (tuple, list)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in items
+    ):
+        raise TypeError(
+            f"tg.jit: {name} must be an int or a tuple of ints (positions of arguments), got "
+            f"{value!r}. E.g. tg.jit(step, {name}=(0, 1))."
+        )
+    return tuple(items)
+
+
+def _str_tuple(value: Any, name: str) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (tuple, list)) or not all(isinstance(i, str) for i in items):
+        raise TypeError(
+            f"tg.jit: {name} must be a str or a tuple of str (names of keyword arguments), got "
+            f"{value!r}. E.g. tg.jit(step, {name}=('model',))."
+        )
+    return tuple(items)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
 
 
 class Jitted:
     """A function compiled by `tg.jit`; call it like the original."""
 
-    def __init__(self, fn: Callable[..., Any], donate_argnums: int | tuple[int, ...] = ()):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        static_argnums: Any = (),
+        static_argnames: Any = (),
+        donate_argnums: Any = (),
+        donate_argnames: Any = (),
+        in_shardings: Any = UNSET,
+        out_shardings: Any = UNSET,
+    ):
         if not callable(fn):
-            raise TypeError(f"tg.jit expects a function, got {type(fn).__name__}")
+            raise TypeError(f"tg.jit expects a function, got {type(fn).__name__} {fn!r:.60}.")
         self.__wrapped__ = fn
-        self._donate = (
-            (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        )
+        self._static = _int_tuple(static_argnums, "static_argnums")
+        self._static_names = _str_tuple(static_argnames, "static_argnames")
+        self._donate = _int_tuple(donate_argnums, "donate_argnums")
+        self._donate_names = _str_tuple(donate_argnames, "donate_argnames")
+        self._in_shardings = in_shardings
+        self._out_shardings = out_shardings
+        self._signature = _signature(fn)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.__wrapped__
-        names = tuple(kwargs)
-        flat = E.Flat(fn, (*args, *kwargs.values()))
-        if self._donate:
-            return self._call_donating(fn, flat, names, len(args))
-        key = (E.CALL, names, flat.key)
-        entry = E.lookup(key)
-        if entry is None:
-            entry = E.Entry(E.CALL, flat, (), api="tg.jit", options=(names,))
-            E.store(key, entry)
-        return E.execute(key, entry, flat.dyn, fn).value()
+        static: list[Any] = []
+        roots: list[Any] = [fn]
+        pos: list[Any] = []
+        for i, a in enumerate(args):
+            if i in self._static:
+                static.append((i, _hashed(a, f"argument {i}")))
+                pos.append(E.RootArg(-1 - len(static)))
+            elif isinstance(a, _FUNCTION_TYPES):
+                pos.append(E.RootArg(len(roots) - 1))
+                roots.append(a)
+            else:
+                pos.append(a)
+        kw: dict[str, Any] = {}
+        for k, a in kwargs.items():
+            if k in self._static_names:
+                static.append((k, _hashed(a, f"argument {k!r}")))
+                kw[k] = E.RootArg(-1 - len(static))
+            elif isinstance(a, _FUNCTION_TYPES):
+                kw[k] = E.RootArg(len(roots) - 1)
+                roots.append(a)
+            else:
+                kw[k] = a
+        options = (tuple(static), self._out_shardings is not UNSET)
 
-    def _call_donating(self, fn: Any, flat: E.Flat, names: tuple[str, ...], n_args: int) -> Any:
-        # Inputs are de-duplicated by identity first: a tied weight is one
-        # buffer, and donating one buffer twice is an error in jax. A buffer is
-        # donated only if every place it is read from is a donated argument.
-        owner: list[int] = []  # per dynamic leaf: its top-level argument, or -1 (closure)
-        statics = flat.statics
-        owner.extend(-1 for s in statics[: flat.n_cl] if s is E.DYN)
-        offset = flat.n_cl
-        for i, child in enumerate(flat.a_def.children()):  # type: ignore[attr-defined]
-            n = child.num_leaves
-            owner.extend(i for s in statics[offset : offset + n] if s is E.DYN)
-            offset += n
-        index: dict[int, int] = {}
-        uniq: list[Any] = []
-        slots: list[int] = []
-        donated: dict[int, bool] = {}
-        for a, who in zip(flat.dyn, owner, strict=True):
-            j = index.get(id(a))
-            if j is None:
-                j = index[id(a)] = len(uniq)
-                uniq.append(a)
-            slots.append(j)
-            ok = 0 <= who < n_args and who in self._donate
-            donated[j] = donated.get(j, True) and ok
-        donate = tuple(j for j, ok in donated.items() if ok)
-        key = (E.CALL, names, flat.key, tuple(slots), donate)
-        entry = E.lookup(key)
-        if entry is None:
-            entry = E.Entry(
-                E.CALL, flat, (), api="tg.jit", options=(names,), slots=tuple(slots), donate=donate
+        def make(call: E.Call) -> E.Entry:
+            return E.Entry(
+                E.CALL,
+                "tg.jit",
+                options,
+                call,
+                donate=self._donated if (self._donate or self._donate_names) else None,
+                shardings=self._shardings if self._in_shardings is not UNSET else None,
+                out_shardings=None if self._out_shardings is UNSET else self._out_shardings,
+                statics=dict(static),
             )
-            E.store(key, entry)
-        return E.execute(key, entry, uniq, fn).value()
+
+        _, (_, packed, _) = E.execute(
+            E.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
+        )
+        return packed.value()
+
+    def _owners(self, entry: E.Entry) -> list[Any]:
+        """For each argument array leaf: the top-level argument (index or name) it belongs to."""
+        pos_def, kw_def = entry.a_def.children()
+        owners: list[Any] = []
+        for i, child in enumerate(pos_def.children()):
+            owners.extend([i] * child.num_leaves)
+        names = kw_def.node_data()[1]  # the dict's keys, in flattening order
+        for name, child in zip(names, kw_def.children(), strict=True):
+            owners.extend([name] * child.num_leaves)
+        return [o for o, a in zip(owners, entry.is_array_leaf(), strict=True) if a]
+
+    def _donated(self, entry: E.Entry) -> tuple[int, ...]:
+        # A buffer is donated only if every place it is read from is a donated
+        # argument: a tied weight is one buffer (jax refuses to donate one
+        # buffer twice), and the closure's arrays are never donated.
+        owners = self._owners(entry)
+        donated: dict[int, bool] = {}
+        slots = entry.a_slots or range(entry.n_args)
+        for u, who in zip(slots, owners, strict=True):
+            ok = (isinstance(who, int) and who in self._donate) or who in self._donate_names
+            donated[u] = donated.get(u, True) and ok
+        return tuple(entry.n_cl + u for u, ok in donated.items() if ok)
+
+    def _shardings(self, entry: E.Entry) -> tuple[Any, ...]:
+        pos_def, _ = entry.a_def.children()
+        per_leaf = _prefix_leaves(self._in_shardings, entry, pos_def)
+        out: list[Any] = [None] * (entry.n_cl + entry.n_args)
+        slots = entry.a_slots or range(entry.n_args)
+        for u, s in zip(slots, per_leaf, strict=False):
+            if out[entry.n_cl + u] is None:
+                out[entry.n_cl + u] = s
+        return tuple(out)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         # Decorating a method: bind the instance as the first (traced) argument.
         return self if obj is None else functools.partial(self, obj)
 
+    def __repr__(self) -> str:
+        return f"<tg.jit of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
 
-def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | tuple[int, ...] = ()) -> Any:
+
+def _signature(fn: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _hashed(value: Any, what: str) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"tg.jit: static {what} must be hashable (it keys the compiled function), got a "
+            f"{type(value).__name__}. Pass a tuple instead of a list, or make it a traced "
+            "argument."
+        ) from None
+    return value
+
+
+def _prefix_leaves(prefix: Any, entry: E.Entry, pos_def: Any) -> list[Any]:
+    """One sharding per array leaf of the positional arguments, from a pytree prefix."""
+    # The arguments' structure with each leaf replaced by whether it is an array.
+    is_array = entry.is_array_leaf()[: pos_def.num_leaves]
+    args = jax.tree_util.tree_unflatten(pos_def, is_array)
+    if not isinstance(prefix, (tuple, list)):
+        prefix = (prefix,) * len(args)
+    if len(prefix) != len(args):
+        raise ValueError(
+            f"tg.jit: in_shardings has {len(prefix)} entries for {len(args)} positional "
+            "arguments; give one (a sharding or a pytree prefix of shardings) per argument."
+        )
+    leaves: list[Any] = []
+    for p, a in zip(prefix, args, strict=True):
+        p_leaves, p_def = jax.tree_util.tree_flatten(p, is_leaf=lambda x: x is None)
+        try:
+            subtrees = p_def.flatten_up_to(a)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"tg.jit: in_shardings entry {p!r:.80} is not a pytree prefix of the argument "
+                f"it shards ({e})."
+            ) from None
+        for s, sub in zip(p_leaves, subtrees, strict=True):
+            leaves.extend([s] * sum(1 for flag in jax.tree_util.tree_leaves(sub) if flag))
+    return leaves
+
+
+def jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    in_shardings: Any = UNSET,
+    out_shardings: Any = UNSET,
+) -> Any:
     """Compile a function of models, arrays and other data with XLA.
 
-    Array leaves of the arguments (and of everything the function captures from
-    closures and globals) are traced; everything else is static and part of the
-    cache key. A training step written with `tg.withgradient` and `tg.update`
-    inside `tg.jit` compiles to one XLA computation. Inside, use the pure
-    `tg.update` and return the new model: in-place changes made while tracing
-    are not seen outside.
+    Array leaves of the arguments (and of everything the function reads from
+    closures and globals) are traced; everything else is static and part of
+    the cache key. A training step written with `tg.withgradient` and
+    `tg.update` inside `tg.jit` compiles to one XLA computation; so does an
+    implicit-style step (`tg.gradient(lambda: ..., ps)` and `tg.update_`):
+    the arrays it rebinds in the model and the optimiser state are written
+    back after the call, as an uncompiled run would leave them.
 
     Arguments:
         fn: the function to compile.
-        donate_argnums: positional arguments whose buffers XLA may reuse for
-            the outputs (the old model and optimiser state of a training step),
-            so a large model is not held twice. Donated arrays are deleted:
-            only donate what you will not read again. Tied weights are
-            de-duplicated first, and a buffer also read from another argument
-            or the closure is not donated.
+        static_argnums: positions of arguments treated as static (hashed into
+            the cache key), as in `jax.jit`.
+        static_argnames: names of keyword arguments treated as static.
+        donate_argnums: positions of arguments whose buffers XLA may reuse for
+            the outputs (the old model and optimiser state of a training
+            step). Donated arrays are deleted: only donate what you will not
+            read again. Tied weights are de-duplicated first, and a buffer also
+            read from another argument or the closure is not donated.
+        donate_argnames: names of keyword arguments to donate.
+        in_shardings: shardings of the positional arguments, one pytree prefix
+            per argument (or one for all), as in `jax.jit`.
+        out_shardings: shardings of the output, as a pytree prefix of it.
 
     Returns:
         A callable with the same signature.
@@ -103,6 +256,14 @@ def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | tuple[int
         >>> f(jnp.ones(2), 3)
         Array([3., 3.], dtype=float32)
     """
+    options = dict(
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+    )
     if fn is None:
-        return functools.partial(jit, donate_argnums=donate_argnums)
-    return Jitted(fn, donate_argnums)
+        return functools.partial(jit, **options)
+    return Jitted(fn, **options)
