@@ -60,3 +60,15 @@ def test_is_tracer():
     seen = []
     jax.jit(lambda x: seen.append(_jaxpr.is_tracer(x)) or x)(jnp.ones(2))
     assert seen == [True]
+
+
+def test_reached_finds_gradients_that_depend_on_the_cotangent():
+    # A gradient that does not depend on the cotangent is a structural zero.
+    inner = jax.jit(lambda a, b: jnp.sum(a) * 3.0)
+
+    def program(a, b, c, ct):
+        loss, vjp = jax.vjp(lambda a, b, c: inner(a, b) + jnp.sum(c * 0.0), a, b, c)
+        return vjp(ct)
+
+    closed = _traced(program, jnp.ones(2), jnp.ones(2), jnp.ones(2), jnp.ones(()))
+    assert _jaxpr.reached(closed, 3) == {0, 2}  # b is unused; c is used (times zero)

@@ -321,7 +321,7 @@ class Entry:
         self.statics = statics or {}
         self.out_shardings = out_shardings
         walk = G.Walk()
-        self.nodes = [walk.node(r, G._describe(r)) for r in call.roots]
+        self.nodes = [walk.root(r) for r in call.roots]
         for cls in G._node_types(call.a_def):
             if not G._is_library(cls):
                 walk._absolute(cls)
@@ -364,8 +364,11 @@ class Entry:
         return dyn
 
     def _build(self) -> None:
+        n_extra = len(self._extra_avals())
+
         def trace(*dyn: Any) -> Any:
-            return _trace(self, list(dyn))
+            n = len(dyn) - n_extra
+            return _trace(self, list(dyn[:n]), dyn[n:])
 
         kwargs: dict[str, Any] = {}
         if self._donate_fn is not None:
@@ -390,19 +393,28 @@ class Entry:
         before = {id(a) for a in jax.live_arrays()}
         self.stack.append(roots)
         try:
-            traced = self.jitted.trace(*dyn)
+            traced = self.jitted.trace(*dyn, *self._extra())
         finally:
             self.stack.pop()
         closed = traced.jaxpr
         hidden = [
             c
             for c in _jaxpr.constants(closed)
-            if isinstance(c, jax.Array) and not _jaxpr.is_tracer(c) and id(c) in before
+            if isinstance(c, jax.Array)
+            and not _jaxpr.is_tracer(c)
+            and id(c) in before
+            and not any(c is one for one in _ONE)  # an inner gradient's cotangent
         ]
         if hidden:
             self._hidden(hidden)
         if self.active:
-            deps = _jaxpr.dependencies(closed, range(self.n_deps))
+            if self.program == GRAD:
+                # A gradient that does not depend on the cotangent (the last input)
+                # is a structural zero: its input is unused.
+                reached = _jaxpr.reached(closed, len(dyn))
+                deps = {p for k, p in enumerate(self.grad_order()) if k in reached}
+            else:
+                deps = _jaxpr.dependencies(closed, range(self.n_deps))
             live = tuple(i for i in self.active if i in deps)
             if live != self.active:
                 self.active = live
@@ -410,6 +422,24 @@ class Entry:
         return self.run(roots, dyn)
 
     n_deps = 0
+
+    def _extra(self) -> tuple[Any, ...]:
+        return (_cotangent(),) if self.program == GRAD else ()
+
+    def _extra_avals(self) -> tuple[Any, ...]:
+        return (None,) if self.program == GRAD else ()
+
+    def grad_order(self) -> list[int]:
+        """The active positions in the order their gradients are leaves of the output."""
+        if self.implicit:
+            return [i for i in self.wrt if i in self.active]
+        order = []
+        seen: set[int] = set()
+        for u in range(self.n_args) if self.a_slots is None else self.a_slots:
+            if u not in seen and self.n_cl + u in self.active:
+                order.append(self.n_cl + u)
+            seen.add(u)
+        return order
 
     def _hidden(self, hidden: list[Any]) -> None:
         if self._params is not None:
@@ -428,13 +458,17 @@ class Entry:
     def run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
         self.stack.append(roots)
         try:
-            out = self.jitted(*dyn)
+            out = self.jitted(*dyn, *self._extra())
         finally:
             self.stack.pop()
         if self.demoted:
             self.demoted = False
             self.guard = G.Guard(self.nodes, self.absolute)
-        deps, packed, grads, written = out
+        if self.program == GRAD:
+            grads, packed, written = out
+            deps = None
+        else:
+            deps, packed, grads, written = out
         if written.places:
             self._write_back(roots, written)
         return deps, packed, grads
@@ -524,7 +558,7 @@ def _static_functions(treedef: Any) -> list[Any]:
 # --- tracing ---------------------------------------------------------------------
 
 
-def _trace(entry: Entry, dyn: list[Any]) -> Any:
+def _trace(entry: Entry, dyn: list[Any], extra: tuple[Any, ...]) -> Any:
     """The traced program: the user's function run on its own objects, holding tracers."""
     roots = entry.stack[-1]
     swap = G.Swap(_expand(dyn[: entry.n_cl], entry.cl_slots))
@@ -532,7 +566,7 @@ def _trace(entry: Entry, dyn: list[Any]) -> Any:
         fns = [swap.put(node, root) for node, root in zip(entry.nodes, roots, strict=True)]
         for node in entry.absolute:
             swap.put(node, None)
-        return _PROGRAMS[entry.program](entry, fns, dyn)
+        return _PROGRAMS[entry.program](entry, fns, dyn, *extra)
     finally:
         swap.restore()
 
@@ -648,7 +682,7 @@ def _user_frame(e: BaseException) -> str:
     return found
 
 
-def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
     active = entry.active
     call = _user(entry, fns, dyn, active)
     has_aux = entry.options[0]
@@ -660,12 +694,14 @@ def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
 
     if active:
         loss, vjp, (out, written) = jax.vjp(loss_of, *[dyn[i] for i in active], has_aux=True)
-        grads = [_conj(g) for g in vjp(jnp.ones((), loss.dtype))]
+        # The cotangent is an input (always 1), so that the jaxpr shows which
+        # gradients depend on it; the loss itself is an output only when asked
+        # for, so XLA drops the forward work the gradient does not need.
+        grads = [_conj(g) for g in vjp(ct.astype(loss.dtype))]
     else:
         loss, (out, written) = loss_of()
         grads = []
-    entry.n_deps = 1
-    return [loss], pack(out), _grads_out(entry, active, grads), Written.of(written)
+    return _grads_out(entry, active, grads), pack(out), Written.of(written)
 
 
 def _grads_out(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any:
@@ -768,6 +804,17 @@ _PROGRAMS: dict[str, Callable[..., Any]] = {
     HESSIAN: _hessian_program,
     CALL: _call_program,
 }
+
+
+_ONE: list[Any] = []
+
+
+def _cotangent() -> Any:
+    # Made on first use, not at import: creating an array starts jax's backend,
+    # which must wait for jax.distributed.initialize in multi-process runs.
+    if not _ONE:
+        _ONE.append(jnp.ones((), jnp.float32))
+    return _ONE[0]
 
 
 # --- step 2 and 4: the cache, and running ------------------------------------------

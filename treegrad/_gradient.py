@@ -109,7 +109,7 @@ def _implicit_grad(api: str, f: Any, ps: Params, has_aux: bool, strict: bool) ->
     values = call.place(grads)
     if values and all(g is None for g in values):
         _no_gradient(api, strict, len(values))
-    value = packed.value() if has_aux else deps[0]
+    value = packed.value() if has_aux else None
     return value, Grads(call.arrays, values, call.paths)
 
 
@@ -133,8 +133,8 @@ def _split_implicit(args: tuple[Any, ...]) -> Params | None:
 
 
 def _explicit_grad(api: str, f: Any, args: tuple[Any, ...], has_aux: bool) -> tuple[Any, Any]:
-    _, (deps, packed, grads) = _explicit(E.GRAD, api, f, args, (has_aux,))
-    return (packed.value() if has_aux else deps[0]), grads
+    _, (_, packed, grads) = _explicit(E.GRAD, api, f, args, (has_aux,))
+    return (packed.value() if has_aux else None), grads
 
 
 def gradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> Any:

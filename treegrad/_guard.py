@@ -409,6 +409,13 @@ class Walk:
         self.absolute: dict[int, Any] = {}
         self._keep: list[Any] = []  # keeps memoised ids valid while walking
 
+    def root(self, value: Any) -> Node:
+        """The function being compiled: walked even when a library defined it (a closure
+        made inside library code still captures the user's values)."""
+        if type(value) is types.FunctionType:
+            return self._function(value, _describe(value))
+        return self.node(value, _describe(value))
+
     def fixed(self, fn: Any) -> None:
         """Also guard a function held by the arguments' static data (a Module's activation)."""
         if type(fn) is types.FunctionType and not _is_library(fn):

@@ -100,3 +100,34 @@ def _live_inputs(jaxpr: Any, outvars: Sequence[Any]) -> set[Any]:
         else:
             live.update(v for v in eqn.invars if isinstance(v, jex.Var))
     return live
+
+
+def reached(closed: Any, source: int) -> set[int]:
+    """Indices of the outputs that depend on input `source` (a forward pass).
+
+    The engine feeds the cotangent of a gradient as an input: a gradient that
+    does not depend on it is a structural zero. Calls to inner jitted
+    functions are followed precisely; other higher-order primitives count every
+    output as reached when any input is, which can only turn a `None` into a
+    zero gradient, never the reverse.
+    """
+    jaxpr = _inner(closed)
+    tainted = _reach(jaxpr, {jaxpr.invars[source]})
+    return {i for i, v in enumerate(jaxpr.outvars) if v in tainted}
+
+
+def _reach(jaxpr: Any, tainted: set[Any]) -> set[Any]:
+    for eqn in jaxpr.eqns:
+        hit = [isinstance(v, jex.Var) and v in tainted for v in eqn.invars]
+        if not any(hit):
+            continue
+        sub = eqn.params.get("jaxpr")
+        if eqn.primitive.name in ("pjit", "jit") and isinstance(sub, _JAXPR_TYPES):
+            inner = _inner(sub)
+            inner_tainted = _reach(inner, {v for v, h in zip(inner.invars, hit, strict=True) if h})
+            tainted.update(
+                o for o, io in zip(eqn.outvars, inner.outvars, strict=True) if io in inner_tainted
+            )
+        else:
+            tainted.update(eqn.outvars)
+    return tainted
