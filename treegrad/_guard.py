@@ -111,13 +111,15 @@ def _is_library(obj: Any) -> bool:
     """Library code: defined in a file of a library package (not a doctest or `exec`)."""
     if not is_library_module(getattr(obj, "__module__", None)):
         return False
+    # Doctests run in a copy of the library module's namespace: their code is user code.
     if type(obj) is types.FunctionType:
-        return not obj.__code__.co_filename.startswith("<")
+        return not obj.__code__.co_filename.startswith("<doctest")
     if isinstance(obj, type):
         r = _LIBRARY_CLASSES.get(obj)
         if r is None:
             r = _LIBRARY_CLASSES[obj] = not any(
-                (fn := _code_of(v)) is not None and fn.__code__.co_filename.startswith("<")
+                (fn := _code_of(v)) is not None
+                and fn.__code__.co_filename.startswith("<doctest")
                 for v in vars(obj).values()
             )
         return r
@@ -574,6 +576,7 @@ class Walk:
 
     def _attrs(self, obj: Any) -> Node:
         attrs: list[tuple[str, Node]] = []
+        is_class = isinstance(obj, type)
         prefix = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
         for name, value in list(vars(obj).items()):
             if name in _SKIP_CLASS_ATTRS or type(value) in _SKIPPED_DESCRIPTORS:
@@ -583,7 +586,9 @@ class Walk:
             if fn is not None and fn is not value:
                 attr = "fget" if isinstance(value, property) else "__func__"
                 attrs.append((name, Descr(type(value), attr, self.node(fn, path))))
-            elif fn is not None or name in self.attr_names:
+            elif (fn is not None and is_class) or name in self.attr_names:
+                # A class's methods may run without being named (`model(x)` calls
+                # `__call__`); a module's functions run only when named.
                 attrs.append((name, self.node(value, path)))
         return Attrs(Same(obj), attrs)
 
