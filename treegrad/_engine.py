@@ -329,7 +329,7 @@ class Entry:
             walk.fixed(s)
         for fn in _static_functions(call.a_def):
             walk.fixed(fn)
-        self.absolute = walk.finish()
+        self.absolute = walk.finish(self.nodes)
         self.names = walk.names
         self.n_places = walk.places
         self.guard = G.Guard(self.nodes, self.absolute)

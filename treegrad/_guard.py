@@ -118,8 +118,7 @@ def _is_library(obj: Any) -> bool:
         r = _LIBRARY_CLASSES.get(obj)
         if r is None:
             r = _LIBRARY_CLASSES[obj] = not any(
-                (fn := _code_of(v)) is not None
-                and fn.__code__.co_filename.startswith("<doctest")
+                (fn := _code_of(v)) is not None and fn.__code__.co_filename.startswith("<doctest")
                 for v in vars(obj).values()
             )
         return r
@@ -423,17 +422,59 @@ class Walk:
         if type(fn) is types.FunctionType and not _is_library(fn):
             self.absolute.setdefault(id(fn), fn)
 
-    def finish(self) -> list[Node]:
-        out: list[Node] = []
-        done = 0
-        while done < len(self.absolute):
-            obj = list(self.absolute.values())[done]
-            done += 1
-            if type(obj) is types.FunctionType:
-                out.append(Fixed(Same(obj), self._function(obj, _describe(obj))))
-            else:
-                out.append(self._attrs(obj))
-        return out
+    def finish(self, roots: list[Node]) -> list[Node]:
+        """Walk the classes, modules and functions met on the way; number the places.
+
+        A class's methods are walked first: the attribute names their code
+        reads decide which of its other attributes (and of user modules) are
+        read, and those are walked once every name is known.
+        """
+        nodes: dict[int, Node] = {}
+        done: dict[int, set[str]] = {}
+        changed = True
+        while changed:
+            changed = False
+            for key, obj in list(self.absolute.items()):
+                if key in nodes:
+                    continue
+                changed = True
+                if type(obj) is types.FunctionType:
+                    nodes[key] = Fixed(Same(obj), self._function(obj, _describe(obj)))
+                    continue
+                node = nodes[key] = Attrs(Same(obj), [])
+                done[key] = set()
+                if isinstance(obj, type):
+                    for name, value in list(vars(obj).items()):
+                        if name not in _SKIP_CLASS_ATTRS and _code_of(value) is not None:
+                            node.attrs.append((name, self._attr(obj, name, value)))
+                            done[key].add(name)
+            for key, node in nodes.items():
+                if not isinstance(node, Attrs):
+                    continue
+                obj = self.absolute[key]
+                for name, value in list(vars(obj).items()):
+                    if name in done[key] or name not in self.attr_names:
+                        continue
+                    if name in _SKIP_CLASS_ATTRS or type(value) in _SKIPPED_DESCRIPTORS:
+                        continue
+                    node.attrs.append((name, self._attr(obj, name, value)))
+                    done[key].add(name)
+                    changed = True
+        absolute = list(nodes.values())
+        # Places are numbered in the order the guard reads them.
+        self.names = [self.names[a.place] for a in _arrays([*roots, *absolute])]
+        for i, a in enumerate(_arrays([*roots, *absolute])):
+            a.place = i
+        return absolute
+
+    def _attr(self, obj: Any, name: str, value: Any) -> Node:
+        prefix = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
+        path = f"{prefix}.{name}"
+        fn = _code_of(value)
+        if fn is not None and fn is not value:
+            attr = "fget" if isinstance(value, property) else "__func__"
+            return Descr(type(value), attr, self.node(fn, path))
+        return self.node(value, path)
 
     def _place(self, path: str) -> Array:
         node = Array(self.places)
@@ -573,24 +614,6 @@ class Walk:
             if v is not MISSING:
                 node.slots.append((name, self.node(v, f"{path}.{name}")))
         return node
-
-    def _attrs(self, obj: Any) -> Node:
-        attrs: list[tuple[str, Node]] = []
-        is_class = isinstance(obj, type)
-        prefix = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
-        for name, value in list(vars(obj).items()):
-            if name in _SKIP_CLASS_ATTRS or type(value) in _SKIPPED_DESCRIPTORS:
-                continue
-            fn = _code_of(value)
-            path = f"{prefix}.{name}"
-            if fn is not None and fn is not value:
-                attr = "fget" if isinstance(value, property) else "__func__"
-                attrs.append((name, Descr(type(value), attr, self.node(fn, path))))
-            elif (fn is not None and is_class) or name in self.attr_names:
-                # A class's methods may run without being named (`model(x)` calls
-                # `__call__`); a module's functions run only when named.
-                attrs.append((name, self.node(value, path)))
-        return Attrs(Same(obj), attrs)
 
 
 _SKIPPED_DESCRIPTORS = (types.MemberDescriptorType, types.GetSetDescriptorType)
@@ -1170,32 +1193,46 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _has_places(node: Node) -> bool:
-    if isinstance(node, Array):
-        return True
-    children: list[Any]
+def children(node: Node) -> list[Node]:
+    """A node's children, in the order the guard reads them."""
     if isinstance(node, Seq):
-        children = node.items
-    elif isinstance(node, (Map, Obj, Attrs)):
-        children = [c for _, c in getattr(node, "items", None) or getattr(node, "attrs", [])]
-        if isinstance(node, Obj):
-            children += [c for _, c in node.slots]
-    elif isinstance(node, Func):
-        children = [c for c in node.cells if c is not None]
-        children += [c for _, c in node.globals if c is not None]
-        children += [c for c in (node.defaults, node.kwdefaults) if c is not None]
-    elif isinstance(node, Method):
-        children = [node.self_, node.func]
-    elif isinstance(node, Partial):
-        children = [node.func, node.args, node.keywords]
-    elif isinstance(node, (Jitted, Descr)):
-        children = [node.inner]
-    elif isinstance(node, Tree):
-        children = node.leaves
-    elif isinstance(node, ParamsNode):
-        children = [node.source]
-    elif isinstance(node, Fixed):
-        children = [node.func]
-    else:
-        return False
-    return any(_has_places(c) for c in children)
+        return node.items
+    if isinstance(node, Map):
+        return [c for _, c in node.items]
+    if isinstance(node, Func):
+        out = [c for c in node.cells if c is not None]
+        out += [c for _, c in node.globals if c is not None]
+        return out + [c for c in (node.defaults, node.kwdefaults) if c is not None]
+    if isinstance(node, Method):
+        return [node.self_, node.func]
+    if isinstance(node, Partial):
+        return [node.func, node.args, node.keywords]
+    if isinstance(node, (Jitted, Descr)):
+        return [node.inner]
+    if isinstance(node, Obj):
+        return [c for _, c in node.attrs] + [c for _, c in node.slots]
+    if isinstance(node, Tree):
+        return node.leaves
+    if isinstance(node, ParamsNode):
+        return [node.source]
+    if isinstance(node, Fixed):
+        return [node.func]
+    if isinstance(node, Attrs):
+        return [c for _, c in node.attrs]
+    return []
+
+
+def _arrays(nodes: list[Node]) -> list[Array]:
+    out: list[Array] = []
+    stack = list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Array):
+            out.append(node)
+        else:
+            stack.extend(reversed(children(node)))
+    return out
+
+
+def _has_places(node: Node) -> bool:
+    return isinstance(node, Array) or any(_has_places(c) for c in children(node))

@@ -9,7 +9,9 @@ everything else is static data carried in the treedef.
 
 from __future__ import annotations
 
+import copy
 import operator
+import types
 from typing import Any, ClassVar
 
 import jax
@@ -70,16 +72,20 @@ class _Static:
 
     Equality compares the values, so two models with the same functions and
     hyperparameters share a compiled function; unhashable static values (a list
-    of strings, say) are allowed and hash by their type only.
+    of strings, say) are allowed and hash by their type only. Mutable static
+    values (a list, a dict, a config object) are compared through a snapshot
+    taken when the Module was flattened, so editing them in place is seen.
     """
 
-    __slots__ = ("_hash", "children", "items", "names", "size", "static")
+    __slots__ = ("_hash", "children", "items", "mutable", "names", "size", "snapshot", "static")
 
     def __init__(self, names: tuple[str, ...], items: tuple[tuple[str, Any], ...]):
         self.names = names
         self.items = items
         self.static = dict(items)
         self.size = len(names) + len(items)
+        self.mutable = not all(_frozen(v) for _, v in items)
+        self.snapshot = tuple((k, _snapshot(v)) for k, v in items) if self.mutable else items
         # Reads the children out of an instance __dict__ in C.
         if len(names) == 1:
             name = names[0]
@@ -104,18 +110,73 @@ class _Static:
             return False
         if self.names != other.names or len(self.items) != len(other.items):
             return False
-        for (k1, v1), (k2, v2) in zip(self.items, other.items, strict=True):
-            if k1 != k2 or not (v1 is v2 or _safe_eq(v1, v2)):
+        for (k1, v1), (k2, v2) in zip(self.snapshot, other.snapshot, strict=True):
+            if k1 != k2 or not (v1 is v2 or _deep_equal(v1, v2)):
                 return False
         return True
 
 
-def _safe_eq(a: Any, b: Any) -> bool:
+_FROZEN_TYPES = (
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+    range,
+    slice,
+    type(Ellipsis),
+    type,
+    types.ModuleType,
+    np.dtype,
+    np.generic,
+)
+
+
+def _frozen(v: Any) -> bool:
+    """Whether a static value cannot change in place (so comparing it once is enough)."""
+    if isinstance(v, _FROZEN_TYPES) or callable(v):
+        # Functions are compared by identity; what they read is guarded by the engine.
+        return True
+    if type(v) in (tuple, frozenset):
+        return all(_frozen(x) for x in v)
+    return False
+
+
+class _Opaque:
+    """A snapshot that could not be copied: compared by identity with the original."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+
+def _snapshot(v: Any) -> Any:
+    if _frozen(v):
+        return v
+    try:
+        return copy.deepcopy(v)
+    except (TypeError, copy.Error, AttributeError, RecursionError):
+        return _Opaque(v)
+
+
+def _deep_equal(a: Any, b: Any) -> bool:
+    """Value equality that looks into plain objects (whose own `==` is identity)."""
     if type(a) is not type(b):
         return False
+    if type(a) is _Opaque:
+        return a.obj is b.obj
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
+    if not callable(a) and hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:
+        return _deep_equal(vars(a), vars(b))
     try:
         return bool(a == b)
-    except Exception:
+    except (TypeError, ValueError):
         return False
 
 
@@ -138,6 +199,9 @@ def _flatten(module: Module) -> tuple[tuple[Any, ...], _Static]:
     # The split into children and static data is cached on the instance and
     # dropped by __setattr__: re-deriving it cost ~3us per Module per call, the
     # largest share of treegrad's per-step overhead on small models.
+    # A Module with mutable static data (a list, a dict, a config object) is
+    # classified afresh each time: an edit in place must be seen, and a static
+    # dict that gains an array must become a child.
     d = module.__dict__
     try:
         aux = module._tg_aux
@@ -145,7 +209,8 @@ def _flatten(module: Module) -> tuple[tuple[Any, ...], _Static]:
         aux = None
     if aux is None or aux.size != len(d):
         aux = _classify(d)
-        object.__setattr__(module, "_tg_aux", aux)
+        if not aux.mutable:
+            object.__setattr__(module, "_tg_aux", aux)
     return aux.children(d), aux
 
 
