@@ -811,9 +811,11 @@ _ONE: list[Any] = []
 
 def _cotangent() -> Any:
     # Made on first use, not at import: creating an array starts jax's backend,
-    # which must wait for jax.distributed.initialize in multi-process runs.
+    # which must wait for jax.distributed.initialize in multi-process runs. The
+    # first use may be inside a trace, where jnp.ones would give a tracer.
     if not _ONE:
-        _ONE.append(jnp.ones((), jnp.float32))
+        with jax.ensure_compile_time_eval():
+            _ONE.append(jnp.ones((), jnp.float32))
     return _ONE[0]
 
 

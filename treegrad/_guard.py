@@ -1009,9 +1009,18 @@ class Swap:
         except TypeError:
             # Not writable in place (an immutable pytree): the parent rebinds a new one.
             return jax.tree_util.tree_unflatten(treedef, new)
-        back = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
-        self._log(lambda: rebind(v, back))
+        self._log(lambda: _restore_tree(v, treedef, leaves))
         return v
+
+
+def _restore_tree(v: Any, treedef: Any, leaves: list[Any]) -> None:
+    """Put the original leaves back by position, whatever the trace rebound meanwhile."""
+    now, now_def = jax.tree_util.tree_flatten(v)
+    if now_def != treedef:
+        raise Unsettled(f"the structure of a captured {type(v).__name__} changed while tracing")
+    back = {id(b): a for a, b in zip(leaves, now, strict=True) if a is not b}
+    if back:
+        rebind(v, back)
 
 
 # --- after a trace: what the function changed ------------------------------------

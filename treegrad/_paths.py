@@ -141,13 +141,40 @@ def _rebind_node(node: Any, changed: dict[int, Any], found: set[int]) -> Any:
         return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
     if node is None or isinstance(node, (jax.Array, np.ndarray, *_OPAQUE)):
         return node
-    # A foreign pytree (an equinox module, say): rebind its leaves by path.
-    for path, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
-        new = changed.get(id(leaf))
-        if new is not None and path:
-            set_at(node, path, new)
+    # A foreign pytree (an equinox module, say): rebind its leaves by path; a
+    # node whose paths are not attributes or items (an optimiser state) takes
+    # the contents of a copy rebuilt with the new leaves.
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(node)[0]
+    hits = [(p, leaf) for p, leaf in leaves_with_paths if id(leaf) in changed and p]
+    if not hits:
+        return node
+    try:
+        for path, leaf in hits:
+            set_at(node, path, changed[id(leaf)])
             found.add(id(leaf))
+    except (TypeError, AttributeError, KeyError, IndexError):
+        _become(node, changed, found)
     return node
+
+
+def _become(node: Any, changed: dict[int, Any], found: set[int]) -> None:
+    """Give `node` the contents of a copy of itself rebuilt with the changed leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(node)
+    new_leaves = []
+    for leaf in leaves:
+        new = changed.get(id(leaf))
+        if new is not None:
+            found.add(id(leaf))
+        new_leaves.append(leaf if new is None else new)
+    copy = jax.tree_util.tree_unflatten(treedef, new_leaves)
+    if type(copy) is not type(node):
+        raise TypeError(f"cannot update a {type(node).__name__} in place")
+    if hasattr(node, "__dict__"):
+        vars(node).update(vars(copy))
+    for klass in type(node).__mro__:
+        for name in vars(klass).get("__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(copy, name):
+                object.__setattr__(node, name, getattr(copy, name))
 
 
 _OPAQUE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, str, int, float)
