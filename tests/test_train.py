@@ -91,3 +91,101 @@ def test_dense_train_end_to_end():
         lambda m, x, y: tg.losses.mse(m(x), y), model, regression_data(), state, epochs=3
     )
     assert losses[-1] < losses[0]
+
+
+def _two_leaf_loss(m, x):
+    # Finite everywhere, but at x == 0 the gradient of sqrt(a * x) in `a` is 0/0.
+    return jnp.sum(m["b"] ** 2) + jnp.sum(jnp.sqrt(m["a"] * x))
+
+
+def test_train_stops_on_nonfinite_gradient_with_finite_loss():
+    model = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([0.5, -0.5])}
+    data = [(jnp.array([1.0, 2.0]),), (jnp.array([0.5, 1.0]),), (jnp.zeros(2),), (jnp.ones(2),)]
+    state = tg.setup(optax.sgd(0.1), model)
+    assert np.isfinite(float(_two_leaf_loss(model, jnp.zeros(2))))
+    with pytest.raises(
+        tg.NonFiniteLossError,
+        match=r"the gradient of 'a' is not finite \(the loss, .*, is\) at epoch 0, step 2; stopped",
+    ) as info:
+        tg.train(_two_leaf_loss, model, data, state)
+    err = info.value
+    assert (err.epoch, err.step, len(err.losses)) == (0, 2, 2)
+    # Replay the two good steps by hand with plain optax: the error carries exactly that.
+    opt = optax.sgd(0.1)
+    params, opt_state = dict(model), opt.init(dict(model))
+    for (x,) in data[:2]:
+        g = jax.grad(_two_leaf_loss)(params, x)
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    assert_trees_close(err.model, params, rtol=1e-6, atol=0)
+    s, m = state, model
+    for (x,) in data[:2]:
+        (g,) = tg.gradient(lambda mm: _two_leaf_loss(mm, x), m)  # noqa: B023
+        s, m = tg.update(s, m, g)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(err.state), jax.tree_util.tree_leaves(s), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree_util.tree_leaves(err.model))
+
+
+def test_train_nonfinite_in_later_epoch_names_it():
+    model = {"a": jnp.array([1.0]), "b": jnp.array([0.5])}
+    calls = []
+
+    def data():
+        calls.append(1)
+        x = jnp.zeros(1) if len(calls) == 2 else jnp.ones(1)
+        return [(jnp.ones(1),), (x,)]
+
+    with pytest.raises(tg.NonFiniteLossError, match="at epoch 1, step 1;") as info:
+        tg.train(_two_leaf_loss, model, data, tg.setup(optax.sgd(0.1), model), epochs=3)
+    assert len(info.value.losses) == 3
+
+
+def test_generator_data_with_several_epochs_is_an_error():
+    model = {"w": jnp.zeros(())}
+    state = tg.setup(optax.sgd(0.1), model)
+    batches = regression_scalar()
+    gen = (b for b in batches)
+    with pytest.raises(
+        TypeError, match=r"data is an iterator \(generator\).*epochs=2.*pass a list"
+    ):
+        tg.train(scalar_loss, model, gen, state, epochs=2)
+    # One pass over a generator is fine; a function giving a fresh one each epoch is
+    # the same as a list, step for step.
+    _, _, l1 = tg.train(scalar_loss, model, (b for b in batches), state)
+    assert len(l1) == len(batches)
+    _, m_list, l_list = tg.train(scalar_loss, model, batches, state, epochs=3)
+    _, m_fn, l_fn = tg.train(scalar_loss, model, lambda: iter(batches), state, epochs=3)
+    assert l_fn == l_list and len(l_list) == 3 * len(batches)
+    np.testing.assert_array_equal(m_fn["w"], m_list["w"])
+
+
+def test_epoch_without_batches_is_an_error():
+    model = {"w": jnp.zeros(())}
+    state = tg.setup(optax.sgd(0.1), model)
+
+    class OnceOnly:
+        """Re-iterable in name only: the second pass is empty (a common loader bug)."""
+
+        def __init__(self, items):
+            self.it = iter(items)
+
+        def __iter__(self):
+            return (b for b in self.it)
+
+    with pytest.raises(ValueError, match=r"epoch 1 of data gave no batches \(epoch 0 gave 3\)"):
+        tg.train(scalar_loss, model, OnceOnly(regression_scalar()), state, epochs=2)
+    with pytest.raises(ValueError, match="epoch 0 of data gave no batches; pass the batches"):
+        tg.train(scalar_loss, model, [], state)
+    state2, model2, losses = tg.train(scalar_loss, model, [], state, epochs=0)
+    assert losses == [] and model2 is model and state2 is state
+
+
+def regression_scalar():
+    return [(jnp.array([1.0, 2.0]) * k, jnp.array([2.0, 4.0]) * k) for k in (1.0, 0.5, 2.0)]
+
+
+def scalar_loss(m, x, y):
+    return tg.losses.mse(m["w"] * x, y)
