@@ -675,3 +675,85 @@ def test_sigkill_mid_save_keeps_previous_bit_exact(tmp_path):
 
 def _generation(path):
     return json.loads((path / "treegrad.json").read_text())["generation"]
+
+
+_SHARDED = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + sys.argv[1]
+    import jax
+    n_proc, pid, port, path = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    if n_proc > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_proc, process_id=pid)
+    import jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import treegrad as tg
+
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices.reshape(2, -1), ("data", "model"))
+    full = {
+        "w": np.arange(64.0, dtype=np.float32).reshape(8, 8),
+        "b": np.arange(8, dtype=np.int32),
+        "h": np.linspace(0, 1, 8).astype(jnp.bfloat16),
+    }
+    specs = {"w": P("data", "model"), "b": P("model"), "h": P("data")}
+    tree = {
+        k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, specs[k]), lambda i, v=v: v[i])
+        for k, v in full.items()
+    }
+    tree["step"] = 7
+    for _ in range(2):  # the second save replaces the first
+        tg.save(path, tree)
+    # Load onto another layout: a 1-D mesh, specs that differ from the saved ones.
+    mesh2 = Mesh(devices, ("x",))
+    new_specs = {"w": P(None, "x"), "b": P(), "h": P("x")}
+    like = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh2, new_specs[k]))
+        for k, v in full.items()
+    }
+    like["step"] = 0
+    out = tg.load(path, like)
+    assert out["step"] == 7
+    for k, v in full.items():
+        assert out[k].sharding == like[k].sharding, (k, out[k].sharding)
+        for shard in out[k].addressable_shards:
+            assert np.array_equal(np.asarray(shard.data), v[shard.index]), k
+    if pid == 0:
+        assert sorted(os.listdir(path)) == ["data-1", "treegrad.json"], os.listdir(path)
+        # orbax: each process wrote its own shards, into its own ocdbt.process_<i>.
+        written = sorted(e for e in os.listdir(os.path.join(path, "data-1")) if "process_" in e)
+        assert written == [f"ocdbt.process_{i}" for i in range(n_proc)], written
+    print("ok", pid, flush=True)
+    """
+)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_proc", [1, 2])
+def test_sharded_save_and_load_onto_another_mesh(tmp_path, n_proc):
+    """Each process writes its own shards; load reshards onto `like`'s shardings."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    port, path = str(_free_port()), str(tmp_path / "ck")
+    per_process = str(4 // n_proc)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SHARDED, per_process, str(n_proc), str(i), port, path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(n_proc)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"ok {i}" in out, out[-3000:]

@@ -118,7 +118,11 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
     """
     arrays, leaves, data = _manifest.describe(tree)
     folder = Path(os.fspath(path))
-    previous, generation = _prepare(folder)
+    # With several processes (jax.distributed), every process calls save and
+    # orbax writes each one's shards; the folder, the manifest and the commit
+    # are process 0's alone, and no process returns before the commit.
+    primary = jax.process_index() == 0
+    previous, generation = _prepare_on_primary(folder)
     name = f"data-{generation}"
     stored = {f"a{i}": x for i, (a, x) in enumerate(zip(arrays, data, strict=True)) if a.stored}
     tmp = folder / f"{_TMP_MANIFEST}{generation}"
@@ -126,23 +130,53 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         files: list[tuple[str, int, str]] = []
         if stored:
             _orbax_save(folder / name, stored)
-            files = _hash_files(folder, name, sync=True)
-        manifest = Manifest(
-            generation, name if stored else None, tuple(arrays), tuple(leaves), tuple(files)
-        )
-        with open(tmp, "xb") as f:
-            f.write(_manifest.dump(manifest))
-            f.flush()
-            os.fsync(f.fileno())
+        if primary:
+            files = _hash_files(folder, name, sync=True) if stored else []
+            manifest = Manifest(
+                generation, name if stored else None, tuple(arrays), tuple(leaves), tuple(files)
+            )
+            with open(tmp, "xb") as f:
+                f.write(_manifest.dump(manifest))
+                f.flush()
+                os.fsync(f.fileno())
     except BaseException:
         # Not committed: the previous checkpoint is untouched; drop what this save wrote.
-        _remove(folder / name)
-        _remove(tmp)
+        if primary:
+            _remove(folder / name)
+            _remove(tmp)
         raise
-    os.replace(tmp, folder / _MANIFEST)
-    _fsync_dir(folder)
-    if previous is not None and previous != name:
-        _remove(folder / previous)
+    if primary:
+        os.replace(tmp, folder / _MANIFEST)
+        _fsync_dir(folder)
+        if previous is not None and previous != name:
+            _remove(folder / previous)
+    _sync("tg.save committed")
+
+
+def _prepare_on_primary(folder: Path) -> tuple[str | None, int]:
+    if jax.process_count() == 1:
+        return _prepare(folder)
+    from jax.experimental import multihost_utils
+
+    previous, generation, error = None, -1, None
+    if jax.process_index() == 0:
+        try:
+            previous, generation = _prepare(folder)
+        except (OSError, ValueError) as e:
+            error = e
+    generation = int(multihost_utils.broadcast_one_to_all(np.int64(generation)))
+    if error is not None:
+        raise error
+    if generation < 0:
+        raise RuntimeError(f"tg.save: process 0 could not prepare {folder}; see its error.")
+    return previous, generation
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _prepare(folder: Path) -> tuple[str | None, int]:
@@ -348,7 +382,7 @@ def _sharding(leaf: Any) -> Any:
         return leaf.sharding
     if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
         return leaf.sharding
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _restore(folder: Path, m: Manifest, targets: list[Any]) -> dict[tuple[int, bool], Any]:
