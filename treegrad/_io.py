@@ -32,6 +32,14 @@ shardings of `like` (see API.md §6). treegrad adds what orbax does not do:
   leftovers (unreferenced `data-*` folders, orbax's `*.orbax-checkpoint-tmp`,
   temporary manifests). Files and folders get the usual mode (the umask).
 
+With several processes (`jax.distributed`), every process calls `save` and
+`load`: orbax writes and reads each process's own shards (`ocdbt.process_<i>`),
+process 0 alone prepares the folder, hashes the files and commits the
+manifest, and no process returns from `save` before the commit. The folder
+must be on a file system that every process sees. Two saves to one path at
+the same time, or a load while another program saves there, are not
+supported (the save removes the data the load may be reading).
+
 Why a folder and not one file: orbax writes a folder (each process its own
 shards), and a multi-process save cannot be funnelled into one file without
 gathering every array on one host.

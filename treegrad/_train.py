@@ -89,7 +89,7 @@ def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ..
 
 
 def _nonfinite_gradients(loss: Callable[..., Any], model: Any, batch: tuple[Any, ...]) -> list[str]:
-    # Only after a failed step: the gradient again, uncompiled by `_step`, to name its paths.
+    # Only after a failed step: the gradient again, outside `_step`, to name its paths.
     _, (g,) = withgradient(lambda m: loss(m, *batch), model)
     return [
         path_str(p) or "<root>"
