@@ -9,6 +9,7 @@ from ._gradient import hessian as hessian
 from ._gradient import jacobian as jacobian
 from ._gradient import pullback as pullback
 from ._gradient import withgradient as withgradient
+from ._io import CheckpointError as CheckpointError
 from ._io import load as load
 from ._io import save as save
 from ._jit import jit as jit

@@ -1,23 +1,34 @@
-"""`tg.train`: the compiled training loop with a progress bar."""
+"""`tg.train`: the compiled training loop with a progress bar.
+
+One small compiled step (`_step`: gradient, update, and a finiteness check of
+the loss and every gradient) and a host loop around it that checks its inputs
+up front, re-iterates the data each epoch, and stops at the first non-finite
+loss or gradient with the last good model and state.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from ._gradient import withgradient
 from ._jit import jit
-from ._optim import update
+from ._optim import OptState, update
+from ._tree import path_str
 
 
 class NonFiniteLossError(FloatingPointError):
-    """Raised by `tg.train` when the loss becomes NaN or infinite.
+    """Raised by `tg.train` when the loss or a gradient becomes NaN or infinite.
 
-    Attributes `.model` and `.state` are those of the last good step, and
-    `.losses` the losses up to it.
+    Attributes `.model` and `.state` are those of the last good step,
+    `.losses` the losses up to it, and `.epoch`, `.step` where it stopped.
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -31,11 +42,21 @@ class NonFiniteLossError(FloatingPointError):
         1 0.8
     """
 
-    def __init__(self, message: str, state: Any, model: Any, losses: list[float]):
+    def __init__(
+        self,
+        message: str,
+        state: Any,
+        model: Any,
+        losses: list[float],
+        epoch: int | None = None,
+        step: int | None = None,
+    ):
         super().__init__(message)
         self.state = state
         self.model = model
         self.losses = losses
+        self.epoch = epoch
+        self.step = step
 
 
 class StepInfo(NamedTuple):
@@ -63,13 +84,98 @@ class StepInfo(NamedTuple):
 def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ...]) -> Any:
     value, (g,) = withgradient(lambda m: loss(m, *batch), model)
     state, model = update(state, model, g)
-    return state, model, value
+    grads_finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)]))
+    return state, model, value, grads_finite
+
+
+def _nonfinite_gradients(loss: Callable[..., Any], model: Any, batch: tuple[Any, ...]) -> list[str]:
+    # Only after a failed step: the gradient again, outside `_step`, to name its paths.
+    _, (g,) = withgradient(lambda m: loss(m, *batch), model)
+    return [
+        path_str(p) or "<root>"
+        for p, x in jax.tree_util.tree_flatten_with_path(g)[0]
+        if not bool(jnp.all(jnp.isfinite(x)))
+    ]
+
+
+_DATA_HELP = (
+    "pass the batches as a list of tuples, e.g. [(x1, y1), (x2, y2)], a re-iterable loader, "
+    "or a function returning a fresh iterable each epoch (data=lambda: make_batches())"
+)
+
+
+def _epochs(data: Any, epochs: int) -> Callable[[], Iterable[Any]]:
+    """Check `data` and return a function giving each epoch's batches."""
+    what = type(data).__name__
+    if data is None or isinstance(data, (str, bytes, Mapping)):
+        raise TypeError(
+            f"tg.train: data is {'None' if data is None else 'a ' + what}; {_DATA_HELP}."
+        )
+    if isinstance(data, (jax.Array, np.ndarray)):
+        raise TypeError(
+            f"tg.train: data is a single array of shape {data.shape}, and iterating it would "
+            f"give its rows as batches; {_DATA_HELP}."
+        )
+    if isinstance(data, Iterable):
+        if isinstance(data, Iterator) and epochs > 1:
+            raise TypeError(
+                f"tg.train: data is an iterator ({what}), which runs out after one pass, but "
+                f"epochs={epochs}; pass a list, a re-iterable loader, or a function returning "
+                "a fresh iterator each epoch (data=lambda: make_batches())."
+            )
+        return lambda: data
+    if callable(data):
+
+        def fresh() -> Iterable[Any]:
+            out = data()
+            if not isinstance(out, Iterable) or isinstance(out, (str, bytes, Mapping)):
+                raise TypeError(
+                    f"tg.train: data() returned a {type(out).__name__}, not an iterable of "
+                    f"batches; {_DATA_HELP}."
+                )
+            return out
+
+        return fresh
+    raise TypeError(f"tg.train: data is a {what}, which is not iterable; {_DATA_HELP}.")
+
+
+def _check_args(loss: Any, model: Any, state: Any, epochs: Any, callbacks: list[Any]) -> int:
+    if not callable(loss):
+        raise TypeError(
+            f"tg.train: loss must be a function loss(model, *batch) returning a scalar, got a "
+            f"{type(loss).__name__}. The call is tg.train(loss, model, data, state)."
+        )
+    if isinstance(model, OptState):
+        raise TypeError(
+            "tg.train: model is an optimiser state; the call is "
+            "tg.train(loss, model, data, state) with state = tg.setup(rule, model)."
+        )
+    if not isinstance(state, OptState):
+        raise TypeError(
+            f"tg.train: state must be the optimiser state from tg.setup(rule, model), got a "
+            f"{type(state).__name__}. The call is tg.train(loss, model, data, state)."
+        )
+    if isinstance(epochs, bool):
+        raise TypeError(f"tg.train: epochs must be a non-negative int, got {epochs!r}.")
+    try:
+        n = operator.index(epochs)
+    except TypeError:
+        raise TypeError(f"tg.train: epochs must be a non-negative int, got {epochs!r}.") from None
+    if n < 0:
+        raise ValueError(f"tg.train: epochs must be a non-negative int, got {n}.")
+    for i, cb in enumerate(callbacks):
+        if not callable(cb):
+            raise TypeError(
+                f"tg.train: callbacks[{i}] is a {type(cb).__name__}, not a function; pass "
+                "functions taking a tg.StepInfo, e.g. callbacks=[print]."
+            )
+    return n
 
 
 def train(
     loss: Callable[..., Any],
     model: Any,
-    data: Iterable[Any],
+    data: Iterable[Any] | Callable[[], Iterable[Any]],
     state: Any,
     *,
     epochs: int = 1,
@@ -81,8 +187,12 @@ def train(
     Arguments:
         loss: `loss(model, *batch)` returning a scalar.
         model: the model.
-        data: an iterable of batches (tuples, or single arrays); re-iterated
-            each epoch, so use a list or a re-iterable loader.
+        data: the batches: a list (or any re-iterable) of tuples, each splatted
+            into `loss` (a batch that is not a tuple is passed as one argument);
+            or a function with no arguments returning a fresh iterable, called
+            at the start of each epoch. An iterator (a generator) runs out
+            after one pass, so with `epochs > 1` it is an error, and so is an
+            epoch that gives no batches.
         state: from `tg.setup`.
         epochs: passes over `data`.
         callbacks: functions called with a `tg.StepInfo` after every step.
@@ -93,8 +203,11 @@ def train(
         modified.
 
     Raises:
-        NonFiniteLossError: the loss became NaN or infinite; the error names the
-            epoch and step and carries the last good `state` and `model`.
+        NonFiniteLossError: the loss or a gradient became NaN or infinite; the
+            error names the epoch, step (and gradient path), and carries the
+            last good `state` and `model`.
+        TypeError: `loss`, `data`, `state`, `epochs` or `callbacks` is not what
+            is described here; the message names the argument and the fix.
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -104,29 +217,31 @@ def train(
         >>> state, model, losses = tg.train(loss, model, data, tg.setup(optax.adam(0.1), model))
         >>> losses[-1] < losses[0]
         True
+        >>> def stream():   # a generator function: called afresh each epoch
+        ...     yield from data[:5]
+        >>> _, _, losses = tg.train(loss, model, stream, state, epochs=3)
+        >>> len(losses)
+        15
     """
     callbacks = list(callbacks)
+    n_epochs = _check_args(loss, model, state, epochs, callbacks)
+    batches_of = _epochs(data, n_epochs)
     losses: list[float] = []
-    batches = data if isinstance(data, (list, tuple)) else None
-    total = len(batches) * epochs if batches is not None else None
+    total = len(data) * n_epochs if isinstance(data, (list, tuple)) else None
     bar = tqdm(
         total=total, disable=None if progress is None else not progress, unit="step", leave=False
     )
+    first_epoch_steps = 0
     try:
-        for epoch in range(epochs):
-            for step, batch in enumerate(data):
+        for epoch in range(n_epochs):
+            step = -1
+            for step, batch in enumerate(batches_of()):
                 args = batch if isinstance(batch, tuple) else (batch,)
-                new_state, new_model, value = _step(loss, state, model, args)
-                v = float(value)
-                if not math.isfinite(v):
-                    raise NonFiniteLossError(
-                        f"tg.train: the loss is {v} at epoch {epoch}, step {step}; stopped. The "
-                        "error's .model and .state are those of the last good step (lower the "
-                        "learning rate, or check that batch for NaNs).",
-                        state,
-                        model,
-                        losses,
-                    )
+                new_state, new_model, value, grads_ok = _step(loss, state, model, args)
+                v, ok = jax.device_get((value, grads_ok))
+                v = float(v)
+                if not (math.isfinite(v) and ok):
+                    raise _nonfinite(v, epoch, step, loss, state, model, args, losses)
                 state, model = new_state, new_model
                 losses.append(v)
                 bar.update(1)
@@ -134,6 +249,43 @@ def train(
                     bar.set_postfix(loss=f"{v:.4g}")
                 for cb in callbacks:
                     cb(StepInfo(epoch, step, v, model, state))
+            if step < 0:
+                raise ValueError(
+                    f"tg.train: epoch {epoch} of data gave no batches"
+                    + (f" (epoch 0 gave {first_epoch_steps})" if epoch else "")
+                    + f"; {_DATA_HELP}."
+                )
+            if epoch == 0:
+                first_epoch_steps = step + 1
     finally:
         bar.close()
     return state, model, losses
+
+
+def _nonfinite(
+    v: float,
+    epoch: int,
+    step: int,
+    loss: Callable[..., Any],
+    state: Any,
+    model: Any,
+    batch: tuple[Any, ...],
+    losses: list[float],
+) -> NonFiniteLossError:
+    keep = "The error's .model and .state are those of the last good step"
+    if not math.isfinite(v):
+        what = f"the loss is {v}"
+        fix = "lower the learning rate, or check that batch for NaNs"
+    else:
+        paths = _nonfinite_gradients(loss, model, batch)
+        where = f" of {', '.join(repr(p) for p in paths[:3])}" if paths else ""
+        what = f"the gradient{where} is not finite (the loss, {v:.4g}, is)"
+        fix = "look for a log, sqrt or division at 0 in the loss, or clip the gradients"
+    return NonFiniteLossError(
+        f"tg.train: {what} at epoch {epoch}, step {step}; stopped. {keep} ({fix}).",
+        state,
+        model,
+        losses,
+        epoch=epoch,
+        step=step,
+    )

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 __all__ = [
@@ -24,6 +26,36 @@ __all__ = [
     "mae",
     "mse",
 ]
+
+
+def _array(api: str, name: str, x: Any) -> Any:
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+        raise TypeError(f"{api}: {name} must be an array (or a number), got a {type(x).__name__}.")
+    return x
+
+
+def _pair(api: str, yhat: Any, y: Any, names: tuple[str, str] = ("yhat", "y")) -> None:
+    """`y` must broadcast to `yhat`'s shape without changing it.
+
+    A `(n,)` target against `(n, 1)` predictions would broadcast to `(n, n)`
+    and compare every prediction with every target: a silent wrong loss.
+    """
+    _array(api, names[0], yhat)
+    _array(api, names[1], y)
+    a, b = np.shape(yhat), np.shape(y)
+    try:
+        out = np.broadcast_shapes(a, b)
+    except ValueError:
+        raise ValueError(
+            f"{api}: {names[1]} of shape {b} does not broadcast to {names[0]} of shape {a}; "
+            f"give both the same shape."
+        ) from None
+    if out != a:
+        raise ValueError(
+            f"{api}: {names[1]} of shape {b} broadcasts against {names[0]} of shape {a} to "
+            f"{out}, which would compare every prediction with every target; reshape one to "
+            f"the other's shape (e.g. {names[1]}.reshape({names[0]}.shape))."
+        )
 
 
 def mse(yhat: Any, y: Any) -> Any:
@@ -41,6 +73,7 @@ def mse(yhat: Any, y: Any) -> Any:
         >>> tg.losses.mse(jnp.array([1.0, 2.0]), jnp.array([1.0, 4.0]))
         Array(2., dtype=float32)
     """
+    _pair("tg.losses.mse", yhat, y)
     return jnp.mean(optax.losses.squared_error(yhat, y))
 
 
@@ -59,6 +92,7 @@ def mae(yhat: Any, y: Any) -> Any:
         >>> tg.losses.mae(jnp.array([1.0, 2.0]), jnp.array([1.0, 4.0]))
         Array(1., dtype=float32)
     """
+    _pair("tg.losses.mae", yhat, y)
     return jnp.mean(jnp.abs(yhat - y))
 
 
@@ -78,6 +112,9 @@ def huber(yhat: Any, y: Any, delta: float = 1.0) -> Any:
         >>> tg.losses.huber(jnp.array([3.0, 0.5]), jnp.array([0.0, 0.0]))
         Array(1.3125, dtype=float32)
     """
+    _pair("tg.losses.huber", yhat, y)
+    if isinstance(delta, (int, float)) and not delta > 0:
+        raise ValueError(f"tg.losses.huber: delta must be positive, got {delta}.")
     return jnp.mean(optax.losses.huber_loss(yhat, y, delta=delta))
 
 
@@ -99,8 +136,27 @@ def logitcrossentropy(logits: Any, y: Any) -> Any:
         >>> bool(jnp.allclose(a, b))
         True
     """
+    return _logitcrossentropy("tg.losses.logitcrossentropy", "logits", logits, y)
+
+
+def _logitcrossentropy(api: str, what: str, logits: Any, y: Any) -> Any:
+    _array(api, what, logits)
+    _array(api, "y", y)
+    shape, ys = np.shape(logits), np.shape(y)
     if jnp.issubdtype(jnp.asarray(y).dtype, jnp.integer):
+        if ys != shape[:-1]:
+            raise ValueError(
+                f"{api}: integer labels y of shape {ys} do not fit {what} of shape {shape}: "
+                f"give one class index per row, shape {shape[:-1]} "
+                f"(e.g. y.reshape({shape[:-1]}))."
+            )
         return jnp.mean(optax.losses.softmax_cross_entropy_with_integer_labels(logits, y))
+    if ys != shape:
+        raise ValueError(
+            f"{api}: targets y of shape {ys} do not match {what} of shape {shape}; give "
+            f"one-hot or probability targets of shape {shape}, or integer labels of shape "
+            f"{shape[:-1]}."
+        )
     return jnp.mean(optax.losses.softmax_cross_entropy(logits, y))
 
 
@@ -120,7 +176,10 @@ def crossentropy(probs: Any, y: Any, eps: float = 1e-7) -> Any:
         >>> round(float(tg.losses.crossentropy(jnp.array([[0.5, 0.5]]), jnp.array([0]))), 4)
         0.6931
     """
-    return logitcrossentropy(jnp.log(jnp.clip(probs, eps, 1.0)), y)
+    _array("tg.losses.crossentropy", "probs", probs)
+    return _logitcrossentropy(
+        "tg.losses.crossentropy", "probs", jnp.log(jnp.clip(probs, eps, 1.0)), y
+    )
 
 
 def logitbinarycrossentropy(logits: Any, y: Any) -> Any:
@@ -138,6 +197,7 @@ def logitbinarycrossentropy(logits: Any, y: Any) -> Any:
         >>> round(float(tg.losses.logitbinarycrossentropy(jnp.array([0.0]), jnp.array([1.0]))), 4)
         0.6931
     """
+    _pair("tg.losses.logitbinarycrossentropy", logits, y, ("logits", "y"))
     return jnp.mean(optax.losses.sigmoid_binary_cross_entropy(logits, y))
 
 
@@ -157,5 +217,6 @@ def binarycrossentropy(p: Any, y: Any, eps: float = 1e-7) -> Any:
         >>> round(float(tg.losses.binarycrossentropy(jnp.array([0.5]), jnp.array([1.0]))), 4)
         0.6931
     """
+    _pair("tg.losses.binarycrossentropy", p, y, ("p", "y"))
     p = jnp.clip(p, eps, 1.0 - eps)
-    return logitbinarycrossentropy(jnp.log(p) - jnp.log1p(-p), y)
+    return jnp.mean(optax.losses.sigmoid_binary_cross_entropy(jnp.log(p) - jnp.log1p(-p), y))

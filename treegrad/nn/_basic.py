@@ -2,22 +2,63 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._module import Module
 
 
-def check_features(layer: Module, x: Any, expected: int, axis: int = -1) -> None:
+def check_features(
+    layer: Module, x: Any, expected: int, axis: int = -1, what: str = "input"
+) -> None:
     """Raise a clear error when `x` does not have `expected` features on `axis`."""
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) == 0 or shape[axis] != expected:
+        fix = "; start from cell.initial_state(batch_shape)" if what == "a state" else ""
         raise ValueError(
-            f"{layer!s}: expected input with {expected} features on axis {axis}, got shape {shape}."
+            f"{layer!s}: expected {what} with {expected} features on axis {axis}, got shape "
+            f"{shape}{fix}."
         )
+
+
+def check_size(layer: str, name: str, value: Any) -> int:
+    """A layer size argument: a positive int (numpy ints too, not bools or floats)."""
+    try:
+        n = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        n = None
+    if n is None:
+        raise TypeError(f"{layer}: {name} must be a positive int, got {value!r}.")
+    if n <= 0:
+        raise ValueError(f"{layer}: {name} must be a positive int, got {n}.")
+    return n
+
+
+def check_key(layer: str, key: Any) -> None:
+    """A PRNG key: a new-style key array, or a legacy uint32 key (`jax.random.PRNGKey`)."""
+    ok = isinstance(key, (jax.Array, np.ndarray)) and (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == np.uint32
+    )
+    if not ok:
+        raise TypeError(
+            f"{layer}: key must be a jax.random key, e.g. key=jax.random.key(0), got "
+            f"{type(key).__name__}{' ' + str(key.dtype) if hasattr(key, 'dtype') else ''}."
+        )
+
+
+def check_rate(layer: str, name: str, value: Any, closed: bool) -> None:
+    interval = "[0, 1]" if closed else "[0, 1)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{layer} {name} must be a number in {interval}, got {value!r}")
+    v = float(value)
+    if not (0.0 <= v <= 1.0 if closed else 0.0 <= v < 1.0):
+        raise ValueError(f"{layer} {name} must be in {interval}, got {value}")
 
 
 class Dense(Module):
@@ -53,6 +94,9 @@ class Dense(Module):
         use_bias: bool = True,
         dtype: Any = jnp.float32,
     ):
+        in_features = check_size("Dense", "in_features", in_features)
+        out_features = check_size("Dense", "out_features", out_features)
+        check_key("Dense", key)
         init = jax.nn.initializers.glorot_uniform()
         self.weight = init(key, (out_features, in_features), dtype)
         self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
@@ -91,6 +135,12 @@ class Chain(Module):
     takes_key: ClassVar[bool] = True
 
     def __init__(self, *layers: Any):
+        for i, layer in enumerate(layers):
+            if not callable(layer):
+                raise TypeError(
+                    f"Chain: layer {i} is a {type(layer).__name__}, not callable; pass layers "
+                    "or functions, e.g. nn.Chain(nn.Dense(2, 4, key=k), jax.nn.relu)."
+                )
         self.layers = list(layers)
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
@@ -137,6 +187,9 @@ class Embedding(Module):
     __trainable__ = ("weight",)
 
     def __init__(self, vocab_size: int, features: int, *, key: Any, dtype: Any = jnp.float32):
+        vocab_size = check_size("Embedding", "vocab_size", vocab_size)
+        features = check_size("Embedding", "features", features)
+        check_key("Embedding", key)
         self.weight = jax.random.normal(key, (vocab_size, features), dtype)
         self.vocab_size = vocab_size
         self.features = features
@@ -175,8 +228,7 @@ class Dropout(Module):
     takes_key: ClassVar[bool] = True
 
     def __init__(self, rate: float, *, training: bool = True):
-        if not 0.0 <= rate < 1.0:
-            raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
+        check_rate("Dropout", "rate", rate, closed=False)
         self.rate = rate
         self.training = training
 

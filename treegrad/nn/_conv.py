@@ -9,8 +9,37 @@ import jax
 import jax.numpy as jnp
 
 from .._module import Module
+from ._basic import check_key, check_size
 
 _DIMS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
+
+
+def _per_axis(name: str, value: Any, n: int) -> tuple[int, ...]:
+    values = (value,) * n if isinstance(value, int) else tuple(value)
+    if len(values) != n:
+        raise ValueError(
+            f"Conv: {name} has {len(values)} entries but the kernel has {n} spatial axes; give "
+            f"an int or {n} ints."
+        )
+    return tuple(check_size("Conv", name, v) for v in values)
+
+
+def _padding(padding: Any, n: int) -> Any:
+    if isinstance(padding, str) and padding in ("SAME", "VALID", "SAME_LOWER"):
+        return padding
+    if isinstance(padding, int) and not isinstance(padding, bool) and padding >= 0:
+        return ((padding, padding),) * n
+    if not isinstance(padding, str):
+        try:
+            pairs = tuple((int(lo), int(hi)) for lo, hi in padding)
+        except (TypeError, ValueError):
+            pairs = ()
+        if len(pairs) == n:
+            return pairs
+    raise ValueError(
+        f'Conv: padding must be "SAME", "VALID", an int or a sequence of {n} (low, high) '
+        f"pairs, got {padding!r}."
+    )
 
 
 class Conv(Module):
@@ -57,12 +86,13 @@ class Conv(Module):
         if len(ks) not in _DIMS:
             raise ValueError(f"Conv supports 1-D and 2-D kernels, got kernel_size={kernel_size}")
         n = len(ks)
-        self.kernel_size = ks
-        self.in_channels = in_channels
-        self.out_channels = out_channels
-        self.stride = (stride,) * n if isinstance(stride, int) else tuple(stride)
-        self.dilation = (dilation,) * n if isinstance(dilation, int) else tuple(dilation)
-        self.padding = ((padding, padding),) * n if isinstance(padding, int) else padding
+        self.kernel_size = tuple(check_size("Conv", "kernel_size", k) for k in ks)
+        self.in_channels = check_size("Conv", "in_channels", in_channels)
+        self.out_channels = check_size("Conv", "out_channels", out_channels)
+        self.stride = _per_axis("stride", stride, n)
+        self.dilation = _per_axis("dilation", dilation, n)
+        self.padding = _padding(padding, n)
+        check_key("Conv", key)
         init = jax.nn.initializers.glorot_uniform(in_axis=-2, out_axis=-1)
         self.weight = init(key, (*ks, in_channels, out_channels), dtype)
         self.bias = jnp.zeros((out_channels,), dtype) if use_bias else None

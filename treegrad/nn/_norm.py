@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .._module import Module
-from ._basic import check_features
+from ._basic import check_features, check_rate, check_size
 
 
 class LayerNorm(Module):
@@ -34,7 +34,7 @@ class LayerNorm(Module):
     def __init__(
         self, features: int, *, eps: float = 1e-5, affine: bool = True, dtype: Any = jnp.float32
     ):
-        self.features = features
+        self.features = features = check_size("LayerNorm", "features", features)
         self.eps = eps
         self.scale = jnp.ones((features,), dtype) if affine else None
         self.bias = jnp.zeros((features,), dtype) if affine else None
@@ -96,7 +96,8 @@ class BatchNorm(Module):
         training: bool = True,
         dtype: Any = jnp.float32,
     ):
-        self.features = features
+        self.features = features = check_size("BatchNorm", "features", features)
+        check_rate("BatchNorm:", "momentum", momentum, closed=True)
         self.momentum = momentum
         self.eps = eps
         self.training = training
@@ -146,6 +147,11 @@ def with_batch_stats(model: Any, fn: Callable[..., Any], *args: Any) -> tuple[An
         >>> bn.running_mean
         Array([1. , 1.5], dtype=float32)
     """
+    if not callable(fn):
+        raise TypeError(
+            f"nn.with_batch_stats: fn must be a function (the forward pass, e.g. the model "
+            f"itself), got a {type(fn).__name__}. The call is with_batch_stats(model, fn, *args)."
+        )
     collected: dict[int, tuple[Any, Any]] = {}
     token = _COLLECTOR.set(collected)
     try:

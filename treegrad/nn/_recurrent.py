@@ -15,11 +15,16 @@ import jax
 import jax.numpy as jnp
 
 from .._module import Module
-from ._basic import check_features
+from ._basic import check_features, check_key, check_size
 
 
 def _glorot(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return jax.nn.initializers.glorot_uniform()(key, shape, dtype)
+
+
+def _sizes(layer: str, in_features: Any, hidden: Any, key: Any) -> tuple[int, int]:
+    check_key(layer, key)
+    return check_size(layer, "in_features", in_features), check_size(layer, "hidden", hidden)
 
 
 class RNNCell(Module):
@@ -51,6 +56,7 @@ class RNNCell(Module):
         key: Any,
         dtype: Any = jnp.float32,
     ):
+        in_features, hidden = _sizes("RNNCell", in_features, hidden, key)
         k1, k2 = jax.random.split(key)
         self.Wi = _glorot(k1, (hidden, in_features), dtype)
         self.Wh = jax.nn.initializers.orthogonal()(k2, (hidden, hidden), dtype)
@@ -64,6 +70,7 @@ class RNNCell(Module):
 
     def __call__(self, h: Any, x: Any) -> tuple[Any, Any]:
         check_features(self, x, self.in_features)
+        check_features(self, h, self.hidden, what="a state")
         h = self.activation(x @ self.Wi.T + h @ self.Wh.T + self.b)
         return h, h
 
@@ -91,6 +98,7 @@ class LSTMCell(Module):
     __trainable__ = ("Wi", "Wh", "b")
 
     def __init__(self, in_features: int, hidden: int, *, key: Any, dtype: Any = jnp.float32):
+        in_features, hidden = _sizes("LSTMCell", in_features, hidden, key)
         k1, k2 = jax.random.split(key)
         self.Wi = _glorot(k1, (4 * hidden, in_features), dtype)
         self.Wh = _glorot(k2, (4 * hidden, hidden), dtype)
@@ -105,7 +113,14 @@ class LSTMCell(Module):
 
     def __call__(self, state: tuple[Any, Any], x: Any) -> tuple[tuple[Any, Any], Any]:
         check_features(self, x, self.in_features)
+        if not (isinstance(state, (tuple, list)) and len(state) == 2):
+            raise TypeError(
+                f"{self}: the state is a pair (h, c), got a {type(state).__name__}; start from "
+                "cell.initial_state(batch_shape)."
+            )
         h, c = state
+        check_features(self, h, self.hidden, what="a state")
+        check_features(self, c, self.hidden, what="a state")
         gates = x @ self.Wi.T + h @ self.Wh.T + self.b
         i, f, g, o = jnp.split(gates, 4, axis=-1)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
@@ -136,6 +151,7 @@ class GRUCell(Module):
     __trainable__ = ("Wi", "Wh", "bi", "bh")
 
     def __init__(self, in_features: int, hidden: int, *, key: Any, dtype: Any = jnp.float32):
+        in_features, hidden = _sizes("GRUCell", in_features, hidden, key)
         k1, k2 = jax.random.split(key)
         self.Wi = _glorot(k1, (3 * hidden, in_features), dtype)
         self.Wh = _glorot(k2, (3 * hidden, hidden), dtype)
@@ -149,6 +165,7 @@ class GRUCell(Module):
 
     def __call__(self, h: Any, x: Any) -> tuple[Any, Any]:
         check_features(self, x, self.in_features)
+        check_features(self, h, self.hidden, what="a state")
         xr, xz, xn = jnp.split(x @ self.Wi.T + self.bi, 3, axis=-1)
         hr, hz, hn = jnp.split(h @ self.Wh.T + self.bh, 3, axis=-1)
         r = jax.nn.sigmoid(xr + hr)
@@ -181,6 +198,11 @@ class Recurrence(Module):
     """
 
     def __init__(self, cell: Any):
+        if not callable(cell):
+            raise TypeError(
+                "Recurrence: cell must be a Module mapping (state, x) to (new_state, y), e.g. "
+                f"nn.GRUCell(2, 4, key=key), got a {type(cell).__name__}."
+            )
         self.cell = cell
 
     def __call__(self, state: Any, xs: Any) -> tuple[Any, Any]:

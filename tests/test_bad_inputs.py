@@ -1,0 +1,718 @@
+"""Every public function given bad input: the exception type and the words that matter.
+
+One row per call. Each regex asserts what the user needs: the argument or path
+that is wrong and, where there is one, the fix. Rows whose fix lies in another
+owner's module are marked xfail(strict=True): they fail today, and the mark
+comes off when the owner fixes the message.
+"""
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import treegrad as tg
+from treegrad import datasets, nn
+
+from .helpers import MLP, mse
+
+
+class Ctx:
+    """What the rows call with, each built on first use (most rows need one or two)."""
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.x, self.y = jnp.ones((2, 4)), jnp.zeros((2, 1))
+        self.vec = {"w": jnp.ones(3)}
+        self.data = [(self.x, self.y)] * 2
+        (tmp / "notes.txt").write_text("hello")
+        np.save(tmp / "arr.npy", np.ones(3))
+        (tmp / "empty").mkdir()
+        (tmp / "afile").write_bytes(b"x")
+
+    @functools.cached_property
+    def model(self):
+        return MLP(jax.random.key(0))
+
+    @functools.cached_property
+    def state(self):
+        return tg.setup(optax.adam(1e-3), self.model)
+
+    @functools.cached_property
+    def hyper(self):
+        return tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), self.model)
+
+    @functools.cached_property
+    def g(self):
+        return tg.gradient(lambda m: mse(m, self.x, self.y), self.model)[0]
+
+    @functools.cached_property
+    def vec_state(self):
+        return tg.setup(optax.sgd(0.1), self.vec)
+
+    @functools.cached_property
+    def ps(self):
+        return tg.params(self.model)
+
+    @functools.cached_property
+    def grads(self):
+        return tg.gradient(lambda: mse(self.model, self.x, self.y), self.ps)
+
+    @functools.cached_property
+    def ck(self):
+        tg.save(self.tmp / "ck", self.model)
+        return self.tmp / "ck"
+
+
+@pytest.fixture
+def c(tmp_path):
+    return Ctx(tmp_path)
+
+
+def _gradient_then_replace(c):
+    grads = tg.gradient(lambda: mse(c.model, c.x, c.y), c.ps)
+    w = c.model.layers[0].weight
+    c.model.layers[0].weight = w + 1  # the parameter is replaced after the gradients were taken
+    return grads[c.model.layers[0].weight]
+
+
+def _stale_update_(c):
+    grads = tg.gradient(lambda: mse(c.model, c.x, c.y), c.ps)
+    state = tg.setup(optax.sgd(0.1), c.ps)
+    c.model.layers[0].weight = c.model.layers[0].weight + 0
+    tg.update_(state, c.ps, grads)
+
+
+def _captured_numpy_mask(c):
+    mask = np.array([True, False, True])
+    return tg.gradient(lambda w: jnp.sum(w[mask]), jnp.ones(3))
+
+
+def _captured_int(c):
+    n = jnp.array(2)
+    return tg.gradient(lambda w: jnp.sum(w[: int(n)]), jnp.ones(3))
+
+
+def _deleted(c):
+    x = jnp.ones(3)
+    jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    if not x.is_deleted():
+        pytest.skip("this backend does not donate")
+    tg.save(c.tmp / "ck2", {"w": x})
+
+
+def _once_only(c):
+    class Loader:
+        def __init__(self):
+            self.it = iter(c.data)
+
+        def __iter__(self):
+            return (b for b in self.it)
+
+    tg.train(mse, c.model, Loader(), c.state, epochs=2)
+
+
+ENGINE = pytest.mark.xfail(strict=True, reason="owner: engine")
+OPTIM = pytest.mark.xfail(strict=True, reason="owner: optim")
+
+
+def row(name, call, exc, words, marks=()):
+    return pytest.param(call, exc, words, id=name, marks=marks)
+
+
+ROWS = [
+    # ---- explicit mode
+    row(
+        "gradient-no-args",
+        lambda c: tg.gradient(lambda: jnp.sum(c.x)),
+        TypeError,
+        r"tg\.params\(model\)",
+        marks=ENGINE,
+    ),
+    row(
+        "gradient-not-a-function",
+        lambda c: tg.gradient("loss", c.model),
+        TypeError,
+        r"tg\.gradient.*function.*str",
+    ),
+    row(
+        "gradient-vector-loss",
+        lambda c: tg.gradient(lambda m: m(c.x), c.model),
+        TypeError,
+        r"real scalar.*shape \(2, 1\).*tg\.jacobian",
+    ),
+    row(
+        "gradient-complex-loss",
+        lambda c: tg.gradient(lambda w: jnp.sum(w) * 1j, jnp.ones(2)),
+        TypeError,
+        r"real floating-point scalar.*complex64",
+    ),
+    row(
+        "gradient-string-loss",
+        lambda c: tg.gradient(lambda w: "low", jnp.ones(2)),
+        TypeError,
+        r"real scalar.*str",
+    ),
+    row(
+        "withgradient-vector-loss",
+        lambda c: tg.withgradient(lambda w: w * 2, jnp.ones(2)),
+        TypeError,
+        r"tg\.withgradient.*real scalar.*tg\.jacobian",
+    ),
+    row(
+        "pullback-not-a-function",
+        lambda c: tg.pullback(3, jnp.ones(2)),
+        TypeError,
+        r"tg\.pullback.*function.*int",
+    ),
+    row(
+        "pullback-wrong-cotangent",
+        lambda c: tg.pullback(lambda w: w * 2, jnp.ones(2))[1](jnp.ones(3)),
+        ValueError,
+        r"dy.*shape \(3,\).*\(2,\)",
+        marks=ENGINE,
+    ),
+    row(
+        "jacobian-not-a-function",
+        lambda c: tg.jacobian(None, jnp.ones(2)),
+        TypeError,
+        r"tg\.jacobian.*function.*NoneType",
+    ),
+    row(
+        "hessian-vector-output",
+        lambda c: tg.hessian(lambda w: w * 2, jnp.ones(2)),
+        TypeError,
+        r"tg\.hessian.*real scalar",
+    ),
+    row(
+        "captured-numpy-bool-mask",
+        _captured_numpy_mask,
+        TypeError,
+        r"captured.*traced.*static",
+        marks=ENGINE,
+    ),
+    row(
+        "captured-int-of-array",
+        _captured_int,
+        TypeError,
+        r"captured.*traced.*static",
+        marks=ENGINE,
+    ),
+    # ---- implicit mode: Params and Grads
+    row(
+        "params-of-a-float", lambda c: tg.params(3.0), TypeError, r"tg\.params.*float", marks=ENGINE
+    ),
+    row(
+        "params-of-int-arrays",
+        lambda c: tg.params({"n": jnp.arange(3)}),
+        ValueError,
+        r"no differentiable.*'n'.*int32",
+        marks=ENGINE,
+    ),
+    row(
+        "params-of-empty-dict",
+        lambda c: tg.params({}),
+        ValueError,
+        r"tg\.Params found no floating-point arrays",
+    ),
+    row(
+        "grads-times-string",
+        lambda c: c.grads * "a",
+        TypeError,
+        r"Grads.*number.*str",
+        marks=ENGINE,
+    ),
+    row(
+        "grads-lookup-unregistered",
+        lambda c: c.grads[jnp.ones(7)],
+        KeyError,
+        r"not a registered parameter",
+    ),
+    row(
+        "grads-lookup-after-replace",
+        _gradient_then_replace,
+        KeyError,
+        r"'layers\.0\.weight'.*may have been replaced.*since the gradients were taken",
+    ),
+    row(
+        "grads-add-different-sets",
+        lambda c: c.grads + tg.gradient(lambda: jnp.sum(c.vec["w"]), tg.params(c.vec)),
+        ValueError,
+        r"different",
+    ),
+    row(
+        "grads-is-read-only",
+        lambda c: operator.setitem(c.grads, c.model.layers[0].weight, 0),
+        TypeError,
+        r"read-only.*grads\.map",
+        marks=ENGINE,
+    ),
+    row(
+        "grads-to-tree-other-model",
+        lambda c: c.grads.to_tree(MLP(jax.random.key(1))),
+        ValueError,
+        r"to_tree.*none of.*registered parameters",
+        marks=ENGINE,
+    ),
+    # ---- compilation
+    row("jit-not-a-function", lambda c: tg.jit(3), TypeError, r"tg\.jit expects a function"),
+    # ---- optimiser
+    row(
+        "setup-rule-is-a-string",
+        lambda c: tg.setup("adam", c.model),
+        TypeError,
+        r"tg\.setup expects an optax GradientTransformation.*optax\.adam",
+    ),
+    row(
+        "update-state-and-model-swapped",
+        lambda c: tg.update(c.model, c.state, c.g),
+        TypeError,
+        r"tg\.update: expected the optimiser state from tg\.setup.*tg\.update\(state, model",
+    ),
+    row(
+        "update-gradient-1-tuple",
+        lambda c: tg.update(c.state, c.model, (c.g,)),
+        TypeError,
+        r"1-tuple.*\(g,\) = tg\.gradient",
+    ),
+    row(
+        "update-gradient-wrong-tree",
+        lambda c: tg.update(c.state, c.model, {"weight": 1}),
+        ValueError,
+        r"does not match the model \(first difference at",
+    ),
+    row(
+        "update-state-of-other-model",
+        lambda c: tg.update(c.vec_state, c.model, c.g),
+        ValueError,
+        r"optimiser state.*does not match the model",
+    ),
+    row(
+        "update-gradient-too-long",
+        lambda c: tg.update(c.vec_state, c.vec, {"w": jnp.ones(4)}),
+        ValueError,
+        r"'w'.*\(4,\).*\(3,\)",
+        marks=OPTIM,
+    ),
+    row(
+        "update-gradient-broadcasts",
+        lambda c: tg.update(c.vec_state, c.vec, {"w": jnp.ones((3, 1))}),
+        ValueError,
+        r"'w'.*\(3, 1\).*\(3,\)",
+        marks=OPTIM,
+    ),
+    row(
+        "update-gradient-string-leaf",
+        lambda c: tg.update(c.vec_state, c.vec, {"w": "a"}),
+        TypeError,
+        r"'w'.*str",
+        marks=OPTIM,
+    ),
+    row(
+        "update_-stale-grads",
+        _stale_update_,
+        ValueError,
+        r"replaced since the gradients were taken",
+        marks=OPTIM,
+    ),
+    row(
+        "adjust-unknown-hyperparameter",
+        lambda c: tg.adjust(c.hyper, lr=0.1),
+        TypeError,
+        r"unknown hyperparameter.*'lr'.*learning_rate",
+    ),
+    row(
+        "adjust-rule-without-hyperparameters",
+        lambda c: tg.adjust(c.state, learning_rate=0.1),
+        TypeError,
+        r"no adjustable.*inject_hyperparams",
+    ),
+    row(
+        "adjust-string-value",
+        lambda c: tg.adjust(c.hyper, learning_rate="fast"),
+        TypeError,
+        r"learning_rate.*number.*str",
+        marks=OPTIM,
+    ),
+    row(
+        "adjust_-not-a-state",
+        lambda c: tg.adjust_(3, learning_rate=0.1),
+        TypeError,
+        r"tg\.adjust_ expects an optimiser state from tg\.setup.*int",
+    ),
+    row(
+        "freeze_-not-a-state",
+        lambda c: tg.freeze_(c.model),
+        TypeError,
+        r"tg\.freeze_ expects an optimiser state.*MLP",
+    ),
+    row(
+        "thaw_-not-a-state",
+        lambda c: tg.thaw_("x"),
+        TypeError,
+        r"tg\.thaw_ expects an optimiser state.*str",
+    ),
+    row(
+        "destructure-rebuild-wrong-length",
+        lambda c: tg.destructure(c.vec)[1](jnp.ones(5)),
+        ValueError,
+        r"rebuild expects a vector of shape \(3,\), got \(5,\)",
+    ),
+    # ---- training
+    row(
+        "train-data-none",
+        lambda c: tg.train(mse, c.model, None, c.state),
+        TypeError,
+        r"tg\.train: data is None; pass the batches as a list",
+    ),
+    row(
+        "train-data-one-array",
+        lambda c: tg.train(mse, c.model, c.x, c.state),
+        TypeError,
+        r"data is a single array of shape \(2, 4\).*its rows.*list of tuples",
+    ),
+    row(
+        "train-data-dict",
+        lambda c: tg.train(mse, c.model, {"x": c.x}, c.state),
+        TypeError,
+        r"data is a dict; pass the batches",
+    ),
+    row(
+        "train-data-not-iterable",
+        lambda c: tg.train(mse, c.model, 5, c.state),
+        TypeError,
+        r"data is a int, which is not iterable; pass the batches",
+    ),
+    row(
+        "train-generator-two-epochs",
+        lambda c: tg.train(mse, c.model, (b for b in c.data), c.state, epochs=2),
+        TypeError,
+        r"data is an iterator \(generator\).*epochs=2.*pass a list.*lambda",
+    ),
+    row(
+        "train-data-function-returns-int",
+        lambda c: tg.train(mse, c.model, lambda: 3, c.state),
+        TypeError,
+        r"data\(\) returned a int, not an iterable of batches",
+    ),
+    row(
+        "train-empty-data",
+        lambda c: tg.train(mse, c.model, [], c.state),
+        ValueError,
+        r"epoch 0 of data gave no batches; pass the batches",
+    ),
+    row(
+        "train-second-epoch-empty",
+        _once_only,
+        ValueError,
+        r"epoch 1 of data gave no batches \(epoch 0 gave 2\)",
+    ),
+    row(
+        "train-loss-not-callable",
+        lambda c: tg.train("mse", c.model, c.data, c.state),
+        TypeError,
+        r"loss must be a function loss\(model, \*batch\).*got a str",
+    ),
+    row(
+        "train-model-and-state-swapped",
+        lambda c: tg.train(mse, c.state, c.data, c.model),
+        TypeError,
+        r"model is an optimiser state; the call is tg\.train\(loss, model, data, state\)",
+    ),
+    row(
+        "train-raw-optax-state",
+        lambda c: tg.train(mse, c.model, c.data, optax.adam(1e-3).init(c.model)),
+        TypeError,
+        r"state must be the optimiser state from tg\.setup\(rule, model\), got a tuple",
+    ),
+    row(
+        "train-negative-epochs",
+        lambda c: tg.train(mse, c.model, c.data, c.state, epochs=-1),
+        ValueError,
+        r"epochs must be a non-negative int, got -1",
+    ),
+    row(
+        "train-float-epochs",
+        lambda c: tg.train(mse, c.model, c.data, c.state, epochs=1.5),
+        TypeError,
+        r"epochs must be a non-negative int, got 1\.5",
+    ),
+    row(
+        "train-callback-not-callable",
+        lambda c: tg.train(mse, c.model, c.data, c.state, callbacks=[3]),
+        TypeError,
+        r"callbacks\[0\] is a int, not a function",
+    ),
+    # ---- checkpoints
+    row(
+        "save-over-a-file",
+        lambda c: tg.save(c.tmp / "afile", c.model),
+        FileExistsError,
+        r"afile is a file, and a treegrad checkpoint is a folder\. Remove the file",
+    ),
+    row(
+        "save-into-foreign-folder",
+        lambda c: tg.save(c.tmp, c.model),
+        FileExistsError,
+        r"holding files that tg\.save did not write.*Save to a new path",
+    ),
+    row(
+        "save-shape-dtype-structs",
+        lambda c: tg.save(c.tmp / "s", jax.eval_shape(lambda: c.vec)),
+        TypeError,
+        r"'w' is a jax\.ShapeDtypeStruct, which holds no data",
+    ),
+    row(
+        "save-inside-jit",
+        lambda c: jax.jit(lambda w: tg.save(c.tmp / "j", {"w": w}))(jnp.ones(2)),
+        TypeError,
+        r"'w' is a traced array: tg\.save cannot run inside jax\.jit",
+    ),
+    row("save-deleted-array", _deleted, ValueError, r"'w' has been deleted \(donated"),
+    row(
+        "load-missing",
+        lambda c: tg.load(c.tmp / "nope", c.model),
+        FileNotFoundError,
+        r"no checkpoint at .*nope",
+    ),
+    row(
+        "load-text-file",
+        lambda c: tg.load(c.tmp / "notes.txt", c.model),
+        tg.CheckpointError,
+        r"notes\.txt is not a valid or complete treegrad checkpoint",
+    ),
+    row(
+        "load-npy-file",
+        lambda c: tg.load(c.tmp / "arr.npy", c.model),
+        tg.CheckpointError,
+        r"arr\.npy is not a valid or complete treegrad checkpoint: it is a numpy \.npy file",
+    ),
+    row(
+        "load-empty-folder",
+        lambda c: tg.load(c.tmp / "empty", c.model),
+        tg.CheckpointError,
+        r"empty is not a valid or complete treegrad checkpoint: it is an empty folder",
+    ),
+    row(
+        "load-other-shape",
+        lambda c: tg.load(c.ck, MLP(jax.random.key(0), sizes=(4, 5, 1))),
+        ValueError,
+        r"'layers\.0\.weight' is float32\[5, 4\] in the model but float32\[8, 4\] in the ch",
+    ),
+    row(
+        "load-other-dtype",
+        lambda c: tg.load(c.ck, jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), c.model)),
+        ValueError,
+        r"'layers\.0\.weight' is float16\[8, 4\] in the model but float32\[8, 4\]",
+    ),
+    row(
+        "load-into-bigger-model",
+        lambda c: tg.load(c.ck, MLP(jax.random.key(0), sizes=(4, 8, 1, 1))),
+        ValueError,
+        r"the model has 'layers\.2\.weight' \(float32\[1, 1\]\) but the checkpoint .* does not",
+    ),
+    row(
+        "load-into-smaller-model",
+        lambda c: tg.load(c.ck, MLP(jax.random.key(0), sizes=(4, 8))),
+        ValueError,
+        r"the checkpoint .* has 'layers\.1\.weight', which the model lacks",
+    ),
+    # ---- losses
+    row(
+        "mse-shapes-broadcast-silently",
+        lambda c: tg.losses.mse(jnp.ones((4, 1)), jnp.ones(4)),
+        ValueError,
+        r"tg\.losses\.mse: y of shape \(4,\) broadcasts against yhat of shape \(4, 1\) to \(4, 4\)",
+    ),
+    row(
+        "mse-shapes-do-not-broadcast",
+        lambda c: tg.losses.mse(jnp.ones(3), jnp.ones(4)),
+        ValueError,
+        r"tg\.losses\.mse: y of shape \(4,\) does not broadcast to yhat of shape \(3,\)",
+    ),
+    row(
+        "mae-shapes",
+        lambda c: tg.losses.mae(jnp.ones((4, 1)), jnp.ones(4)),
+        ValueError,
+        r"tg\.losses\.mae: y of shape \(4,\).*\(4, 4\)",
+    ),
+    row(
+        "huber-negative-delta",
+        lambda c: tg.losses.huber(jnp.ones(2), jnp.ones(2), delta=-1.0),
+        ValueError,
+        r"tg\.losses\.huber: delta must be positive, got -1\.0",
+    ),
+    row(
+        "logitcrossentropy-label-shape",
+        lambda c: tg.losses.logitcrossentropy(jnp.ones((4, 3)), jnp.zeros((4, 1), jnp.int32)),
+        ValueError,
+        r"integer labels y of shape \(4, 1\).*logits of shape \(4, 3\).*\(4,\)",
+    ),
+    row(
+        "logitcrossentropy-target-shape",
+        lambda c: tg.losses.logitcrossentropy(jnp.ones((4, 3)), jnp.ones((4, 2))),
+        ValueError,
+        r"targets y of shape \(4, 2\).*logits of shape \(4, 3\).*one-hot",
+    ),
+    row(
+        "crossentropy-label-shape",
+        lambda c: tg.losses.crossentropy(jnp.ones((4, 3)) / 3, jnp.zeros(5, jnp.int32)),
+        ValueError,
+        r"tg\.losses\.crossentropy: integer labels y of shape \(5,\)",
+    ),
+    row(
+        "binarycrossentropy-shapes",
+        lambda c: tg.losses.binarycrossentropy(jnp.full((4, 1), 0.5), jnp.ones(4)),
+        ValueError,
+        r"tg\.losses\.binarycrossentropy: y of shape \(4,\).*\(4, 4\)",
+    ),
+    row(
+        "mse-string-target",
+        lambda c: tg.losses.mse(jnp.ones(2), "a"),
+        TypeError,
+        r"tg\.losses\.mse: y must be an array.*str",
+    ),
+    # ---- layers
+    row(
+        "dense-int-key",
+        lambda c: nn.Dense(4, 8, key=0),
+        TypeError,
+        r"Dense: key must be a jax\.random key.*jax\.random\.key\(0\).*int",
+    ),
+    row(
+        "dense-negative-features",
+        lambda c: nn.Dense(4, -8, key=jax.random.key(0)),
+        ValueError,
+        r"Dense: out_features must be a positive int, got -8",
+    ),
+    row(
+        "dense-float-features",
+        lambda c: nn.Dense(4.5, 8, key=jax.random.key(0)),
+        TypeError,
+        r"Dense: in_features must be a positive int, got 4\.5",
+    ),
+    row(
+        "dense-wrong-input-features",
+        lambda c: nn.Dense(4, 2, key=jax.random.key(0))(jnp.ones((3, 5))),
+        ValueError,
+        r"Dense\(4 => 2\): expected input with 4 features on axis -1, got shape \(3, 5\)",
+    ),
+    row(
+        "chain-of-non-callable",
+        lambda c: nn.Chain(nn.Dense(2, 2, key=jax.random.key(0)), 3),
+        TypeError,
+        r"Chain: layer 1 is a int, not callable",
+    ),
+    row(
+        "conv-3d-kernel",
+        lambda c: nn.Conv((3, 3, 3), 1, 2, key=jax.random.key(0)),
+        ValueError,
+        r"Conv supports 1-D and 2-D kernels, got kernel_size=\(3, 3, 3\)",
+    ),
+    row(
+        "conv-bad-padding",
+        lambda c: nn.Conv((3, 3), 1, 2, key=jax.random.key(0), padding="FULL"),
+        ValueError,
+        r"Conv: padding must be \"SAME\", \"VALID\", an int or.*got 'FULL'",
+    ),
+    row(
+        "conv-stride-length",
+        lambda c: nn.Conv((3, 3), 1, 2, key=jax.random.key(0), stride=(1, 2, 3)),
+        ValueError,
+        r"Conv: stride has 3 entries but the kernel has 2 spatial axes",
+    ),
+    row(
+        "conv-wrong-channels",
+        lambda c: nn.Conv((3, 3), 1, 2, key=jax.random.key(0))(jnp.ones((1, 8, 8, 3))),
+        ValueError,
+        r"expected input of shape \(batch, 2 spatial axes, 1\).*got shape \(1, 8, 8, 3\)",
+    ),
+    row(
+        "embedding-float-indices",
+        lambda c: nn.Embedding(10, 4, key=jax.random.key(0))(jnp.ones(3)),
+        TypeError,
+        r"Embedding\(10 => 4\): expected integer indices, got dtype float32",
+    ),
+    row(
+        "dropout-rate-one",
+        lambda c: nn.Dropout(1.0),
+        ValueError,
+        r"Dropout rate must be in \[0, 1\), got 1\.0",
+    ),
+    row(
+        "dropout-rate-string",
+        lambda c: nn.Dropout("0.5"),
+        TypeError,
+        r"Dropout rate must be a number in \[0, 1\), got '0\.5'",
+    ),
+    row(
+        "dropout-training-without-key",
+        lambda c: nn.Dropout(0.5)(jnp.ones(3)),
+        ValueError,
+        r"needs a PRNG key: call it as layer\(x, key=key\).*nn\.testmode",
+    ),
+    row(
+        "layernorm-wrong-features",
+        lambda c: nn.LayerNorm(4)(jnp.ones((2, 3))),
+        ValueError,
+        r"LayerNorm\(4\): expected input with 4 features",
+    ),
+    row(
+        "batchnorm-bad-momentum",
+        lambda c: nn.BatchNorm(3, momentum=1.5),
+        ValueError,
+        r"BatchNorm: momentum must be in \[0, 1\], got 1\.5",
+    ),
+    row(
+        "with-batch-stats-not-callable",
+        lambda c: nn.with_batch_stats(nn.BatchNorm(2), "forward", jnp.ones((2, 2))),
+        TypeError,
+        r"with_batch_stats: fn must be a function.*got a str",
+    ),
+    row(
+        "rnncell-wrong-state",
+        lambda c: nn.RNNCell(2, 3, key=jax.random.key(0))(jnp.zeros(4), jnp.ones(2)),
+        ValueError,
+        r"RNNCell\(2 => 3\): expected a state with 3 features on axis -1, got shape \(4,\)"
+        r".*initial_state",
+    ),
+    row(
+        "lstmcell-state-not-a-pair",
+        lambda c: nn.LSTMCell(2, 3, key=jax.random.key(0))(jnp.zeros(3), jnp.ones(2)),
+        TypeError,
+        r"LSTMCell\(2 => 3\): the state is a pair \(h, c\).*initial_state",
+    ),
+    row(
+        "grucell-wrong-input",
+        lambda c: nn.GRUCell(2, 3, key=jax.random.key(0))(jnp.zeros(3), jnp.ones(5)),
+        ValueError,
+        r"GRUCell\(2 => 3\): expected input with 2 features",
+    ),
+    row(
+        "recurrence-of-non-callable",
+        lambda c: nn.Recurrence("cell"),
+        TypeError,
+        r"Recurrence: cell must be a Module mapping \(state, x\) to \(new_state, y\).*got a str",
+    ),
+    row(
+        "datasets-batches-size-zero",
+        lambda c: datasets.batches(np.ones((4, 2)), np.ones(4), 0),
+        ValueError,
+        r"batches: size must be a positive int, got 0",
+        marks=pytest.mark.xfail(strict=True, reason="owner: lead (datasets.py)"),
+    ),
+]
+
+
+@pytest.mark.parametrize("call, exc, words", ROWS)
+def test_bad_input_gives_a_clear_error(c, call, exc, words):
+    with pytest.raises(exc, match=words):
+        call(c)
+
+
+def test_the_table_is_big_enough():
+    assert len(ROWS) >= 60
