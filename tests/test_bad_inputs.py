@@ -116,7 +116,6 @@ def _once_only(c):
     tg.train(mse, c.model, Loader(), c.state, epochs=2)
 
 
-ENGINE = pytest.mark.xfail(strict=True, reason="owner: engine")
 OPTIM = pytest.mark.xfail(strict=True, reason="owner: optim")
 
 
@@ -131,7 +130,6 @@ ROWS = [
         lambda c: tg.gradient(lambda: jnp.sum(c.x)),
         TypeError,
         r"tg\.params\(model\)",
-        marks=ENGINE,
     ),
     row(
         "gradient-not-a-function",
@@ -174,7 +172,6 @@ ROWS = [
         lambda c: tg.pullback(lambda w: w * 2, jnp.ones(2))[1](jnp.ones(3)),
         ValueError,
         r"dy.*shape \(3,\).*\(2,\)",
-        marks=ENGINE,
     ),
     row(
         "jacobian-not-a-function",
@@ -193,25 +190,20 @@ ROWS = [
         _captured_numpy_mask,
         TypeError,
         r"captured.*traced.*static",
-        marks=ENGINE,
     ),
     row(
         "captured-int-of-array",
         _captured_int,
         TypeError,
         r"captured.*traced.*static",
-        marks=ENGINE,
     ),
     # ---- implicit mode: Params and Grads
-    row(
-        "params-of-a-float", lambda c: tg.params(3.0), TypeError, r"tg\.params.*float", marks=ENGINE
-    ),
+    row("params-of-a-float", lambda c: tg.params(3.0), TypeError, r"tg\.params.*float"),
     row(
         "params-of-int-arrays",
         lambda c: tg.params({"n": jnp.arange(3)}),
         ValueError,
         r"no differentiable.*'n'.*int32",
-        marks=ENGINE,
     ),
     row(
         "params-of-empty-dict",
@@ -224,7 +216,6 @@ ROWS = [
         lambda c: c.grads * "a",
         TypeError,
         r"Grads.*number.*str",
-        marks=ENGINE,
     ),
     row(
         "grads-lookup-unregistered",
@@ -249,14 +240,12 @@ ROWS = [
         lambda c: operator.setitem(c.grads, c.model.layers[0].weight, 0),
         TypeError,
         r"read-only.*grads\.map",
-        marks=ENGINE,
     ),
     row(
         "grads-to-tree-other-model",
         lambda c: c.grads.to_tree(MLP(jax.random.key(1))),
         ValueError,
         r"to_tree.*none of.*registered parameters",
-        marks=ENGINE,
     ),
     # ---- compilation
     row("jit-not-a-function", lambda c: tg.jit(3), TypeError, r"tg\.jit expects a function"),
@@ -703,7 +692,6 @@ ROWS = [
         lambda c: datasets.batches(np.ones((4, 2)), np.ones(4), 0),
         ValueError,
         r"batches: size must be a positive int, got 0",
-        marks=pytest.mark.xfail(strict=True, reason="owner: lead (datasets.py)"),
     ),
 ]
 

@@ -666,7 +666,7 @@ def _traced_value_error(entry: Entry, e: Exception) -> Exception:
         "jnp.where instead of boolean indexing, or pass the value to a tg.jit function listed "
         "in static_argnums."
     )
-    return (IndexError if isinstance(e, IndexError) else TypeError)(msg)
+    return TypeError(msg)
 
 
 def _user_frame(e: BaseException) -> str:

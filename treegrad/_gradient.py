@@ -220,11 +220,12 @@ class Pullback:
     `None` for every gradient, as a structural zero.
     """
 
-    __slots__ = ("_aux", "_back", "_none", "_place")
+    __slots__ = ("_aux", "_back", "_none", "_place", "_shapes")
 
-    def __init__(self, back: Any, aux: Any, place: Callable[[Any], Any], none: Any):
+    def __init__(self, back: Any, out: Any, place: Callable[[Any], Any], none: Any):
         self._back = back
-        self._aux = aux
+        self._aux = out.aux
+        self._shapes = [(a.shape, a.dtype) for a in out.payload]
         self._place = place
         self._none = none
 
@@ -239,6 +240,13 @@ class Pullback:
                 f"({self._aux.treedef}); pass one array per output array, shaped like it."
             ) from None
         arrays = [d for d, s in zip(leaves, self._aux.statics, strict=True) if s is E.DYN]
+        for k, (d, (shape, dtype)) in enumerate(zip(arrays, self._shapes, strict=True)):
+            if getattr(d, "shape", None) != shape:
+                raise ValueError(
+                    f"tg.pullback: the cotangent dy has shape {getattr(d, 'shape', type(d))} "
+                    f"where the output{'' if len(arrays) == 1 else f' {k}'} has shape {shape} "
+                    f"({dtype}); pass dy shaped like the output."
+                )
         return self._place(_BACK(self._back, arrays))
 
 
@@ -269,14 +277,14 @@ def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
         arrays, paths = call.arrays, call.paths
         none = Grads(arrays, [None] * len(arrays), paths)
         place = lambda g: Grads(arrays, call.place(g), paths)  # noqa: E731
-        return packed.value(), Pullback(back, packed.aux, place, none)
+        return packed.value(), Pullback(back, packed, place, none)
     entry, (_, packed, back) = _explicit(E.PULLBACK, "tg.pullback", f, args, ())
     active = entry.active
 
     def place(g: Any) -> Any:
         return entry.arg_trees(dict(zip(active, g, strict=True)))
 
-    return packed.value(), Pullback(back, packed.aux, place, entry.arg_trees({}))
+    return packed.value(), Pullback(back, packed, place, entry.arg_trees({}))
 
 
 def jacobian(f: Callable[..., Any], *args: Any) -> Any:

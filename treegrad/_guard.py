@@ -540,7 +540,7 @@ class Walk:
 
         if t is Params:
             ps = self._memo(value, ParamsNode(Unchecked()))
-            ps.source = self.node(value._source, path)
+            ps.source = self.node(value._sources, path)
             return ps
         if t is types.ModuleType:
             if not is_library_module(value.__name__):
@@ -795,7 +795,7 @@ class Guard:
 
             self._fail_unless(d, f"type({v}) is {self._k(Params)}")
             w = self._v()
-            self._emit(d, f"{w} = {v}._source")
+            self._emit(d, f"{w} = {v}._sources")
             self._gen(node.source, w, d)
         elif isinstance(node, Fixed):
             obj = self._v()
@@ -944,10 +944,7 @@ class Swap:
         if isinstance(node, Tree):
             return self._tree(node, v)
         if isinstance(node, ParamsNode):
-            source = self.put(node.source, v._source)
-            if source is not v._source:
-                self._set_attr(v, "_source", source)
-                object.__setattr__(v, "_cache", None)
+            self.put(node.source, v._sources)  # a list: rebound in place
             return v
         if isinstance(node, Fixed):
             self._func(node.func, node.obj.get())  # type: ignore[arg-type]  # Fixed holds a Func
@@ -1175,7 +1172,7 @@ class Settle:
             node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]
             return node
         if isinstance(node, ParamsNode):
-            node.source = self.node(node.source, v._source)
+            node.source = self.node(node.source, v._sources)
             return node
         if isinstance(node, Fixed):
             node.func = self.node(node.func, node.obj.get())

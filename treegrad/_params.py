@@ -87,7 +87,13 @@ class Params:
         xs: an array, a list or tuple of arrays, a `tg.Module`, or any pytree or
             mutable container (dict, list) holding arrays. Floating and complex
             `jax.Array` leaves are collected, each distinct object once (a tied
-            weight appears once), respecting `__trainable__`.
+            weight appears once), respecting `__trainable__`. With no argument
+            (or an empty list) the set starts empty; `add` fills it.
+
+    A `Params` built from a container re-reads it at each use, so it follows
+    `tg.update_` and assignments; `add` and `remove` change the set itself,
+    never the container. Two `Params` are equal when they hold the same arrays
+    (by identity) in the same order.
 
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg
@@ -97,63 +103,83 @@ class Params:
         (2, True, False)
         >>> list(ps.named())
         ['0', '1']
+        >>> ps.remove(b); len(ps), ps == tg.Params([W])
+        (1, True)
     """
 
-    __slots__ = ("_cache", "_source", "_standalone")
+    __slots__ = ("_cache", "_removed", "_sources")
+    __hash__ = None  # type: ignore[assignment]  # mutable, and equal by contents
 
-    def __init__(self, xs: Any):
+    def __init__(self, xs: Any = ()):
+        self._sources: list[Any] = []
+        self._removed: set[int] = set()
+        self._cache: dict[int, tuple[Any, list[int], list[tuple[Any, ...]]]] = {}
         if isinstance(xs, Params):
-            xs = xs.source
-        if isinstance(xs, np.ndarray) and not isinstance(xs, jax.Array):
-            raise TypeError(
-                "tg.Params got a numpy array; parameters are tracked by identity, and JAX "
-                "copies a numpy array into a new object whenever it is used, so gradients "
-                "could never be found for it. Convert it first: W = jnp.asarray(W)."
+            self._sources = list(xs._sources)
+            self._removed = set(xs._removed)
+        elif not (type(xs) in (list, tuple) and not xs):
+            self._sources.append(_checked_source(xs, "tg.params"))
+
+    def add(self, x: Any) -> None:
+        """Add a parameter (an array), or every parameter of a model or container."""
+        self._sources.append(_checked_source(x, "Params.add"))
+        if isinstance(x, jax.Array):
+            self._removed.discard(id(x))
+        self._cache.clear()
+
+    def remove(self, x: Any) -> None:
+        """Remove a parameter; `KeyError` if it is not in the set (see `discard`)."""
+        if x not in self:
+            raise KeyError(
+                f"Params.remove: this {describe_leaf(x)} is not one of the parameters "
+                "(they are compared by identity); use discard to ignore a missing one."
             )
-        self._standalone = isinstance(xs, jax.Array)
-        self._source = xs
-        self._cache: tuple[Any, list[int], list[tuple[Any, ...]]] | None = None
-        _convert_numpy(xs)
-        if not self._standalone and not trainable_leaves_with_path(xs):
-            # An empty Params is almost always a mistake (a model with no float
-            # arrays, or integer data passed by accident).
-            raise ValueError(
-                f"tg.Params found no floating-point arrays in the {type(xs).__name__} it was given."
-            )
+        self.discard(x)
+
+    def discard(self, x: Any) -> None:
+        """Remove a parameter if it is in the set."""
+        self._removed.add(id(x))
+        self._sources = [s for s in self._sources if s is not x]
+        self._cache.clear()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Params):
+            return NotImplemented
+        a, b = self.arrays(), other.arrays()
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
     def _read(self) -> tuple[list[Any], list[tuple[Any, ...]]]:
         """The current parameter arrays and the path of each, in order."""
-        if self._standalone:
-            return [self._source], [()]
-        leaves, treedef = jax.tree_util.tree_flatten(self._source)
-        cache = self._cache
+        if len(self._sources) == 1 and not self._removed:
+            return self._read_source(0)
+        arrays: list[Any] = []
+        paths: list[tuple[Any, ...]] = []
+        seen: set[int] = set(self._removed)
+        for j in range(len(self._sources)):
+            prefix = (jax.tree_util.GetAttrKey(f"+{j}"),) if j else ()
+            for a, p in zip(*self._read_source(j), strict=True):
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    arrays.append(a)
+                    paths.append(prefix + p if p else ())
+        return arrays, paths
+
+    def _read_source(self, j: int) -> tuple[list[Any], list[tuple[Any, ...]]]:
+        source = self._sources[j]
+        if isinstance(source, jax.Array):
+            return [source], [()]
+        leaves, treedef = jax.tree_util.tree_flatten(source)
+        cache = self._cache.get(j)
         if cache is None or cache[0] != treedef:
-            cache = self._rescan(leaves, treedef)
+            cache = self._cache[j] = _scan(source, leaves, treedef)
         _, index, paths = cache
         arrays = [leaves[i] for i in index]
         if len({id(a) for a in arrays}) != len(arrays):
             # Ties can change without changing the structure (a user tying two
             # weights by assignment); de-duplicate by identity, first wins.
-            seen: set[int] = set()
-            keep = [k for k, a in enumerate(arrays) if not (id(a) in seen or seen.add(id(a)))]  # type: ignore[func-returns-value]
+            keep = unique_positions(arrays)
             return [arrays[k] for k in keep], [paths[k] for k in keep]
         return arrays, paths
-
-    def _rescan(
-        self, leaves: list[Any], treedef: Any
-    ) -> tuple[Any, list[int], list[tuple[Any, ...]]]:
-        position = {id(leaf): i for i, leaf in reversed(list(enumerate(leaves)))}
-        trainable = trainable_leaves_with_path(self._source)
-        index: list[int] = []
-        paths: list[tuple[Any, ...]] = []
-        seen: set[int] = set()
-        for path, leaf in trainable:
-            if is_differentiable(leaf) and id(leaf) not in seen:
-                seen.add(id(leaf))
-                index.append(position[id(leaf)])
-                paths.append(path)
-        self._cache = (treedef, index, paths)
-        return self._cache
 
     def arrays(self) -> list[Any]:
         return self._read()[0]
@@ -174,12 +200,79 @@ class Params:
 
     @property
     def source(self) -> Any:
-        """The container (or array) the parameters are read from."""
-        return self._source
+        """The container (or array) the parameters are read from (the first, if several)."""
+        return self._sources[0] if self._sources else []
 
     def __repr__(self) -> str:
         items = ", ".join(f"{n}: {describe_leaf(a)}" for n, a in self.named().items())
         return f"Params([{items}])"
+
+
+def _scan(source: Any, leaves: list[Any], treedef: Any) -> tuple[Any, list[int], list[Any]]:
+    position = {id(leaf): i for i, leaf in reversed(list(enumerate(leaves)))}
+    index: list[int] = []
+    paths: list[tuple[Any, ...]] = []
+    seen: set[int] = set()
+    for path, leaf in trainable_leaves_with_path(source):
+        if is_differentiable(leaf) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            index.append(position[id(leaf)])
+            paths.append(path)
+    return treedef, index, paths
+
+
+def unique_positions(xs: list[Any]) -> list[int]:
+    """Positions of the first occurrence of each distinct object in `xs`."""
+    seen: set[int] = set()
+    out = []
+    for k, x in enumerate(xs):
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(k)
+    return out
+
+
+def _checked_source(xs: Any, api: str) -> Any:
+    """A model, container or array to read parameters from; clear errors otherwise."""
+    if isinstance(xs, np.ndarray) and not isinstance(xs, jax.Array):
+        raise TypeError(
+            f"{api} got a numpy array; parameters are tracked by identity, and JAX "
+            "copies a numpy array into a new object whenever it is used, so gradients "
+            "could never be found for it. Convert it first: W = jnp.asarray(W)."
+        )
+    if isinstance(xs, jax.Array):
+        if not is_differentiable(xs):
+            raise ValueError(
+                f"{api}: a {describe_leaf(xs)} array is not differentiable (only floating and "
+                "complex arrays are); cast it, e.g. x.astype(jnp.float32), if it is a parameter."
+            )
+        return xs
+    leaves = jax.tree_util.tree_leaves(xs)
+    if len(leaves) == 1 and leaves[0] is xs:
+        raise TypeError(
+            f"{api} got a {type(xs).__name__} ({xs!r:.40}): parameters are arrays, tracked by "
+            "identity. Pass a model, a container of arrays, or a jax.Array "
+            "(e.g. tg.params(jnp.asarray(x)) inside a list or dict you keep)."
+        )
+    _convert_numpy(xs)
+    if not any(is_differentiable(leaf) for _, leaf in trainable_leaves_with_path(xs)):
+        arrays = [
+            (path_str(p), leaf)
+            for p, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]
+            if isinstance(leaf, (jax.Array, np.ndarray))
+        ]
+        if arrays:
+            what = ", ".join(f"'{n}' is {describe_leaf(a)}" for n, a in arrays[:3])
+            raise ValueError(
+                f"{api}: the {type(xs).__name__} holds no differentiable arrays ({what}); "
+                "integer, bool and key arrays are not differentiable. Cast the parameters to "
+                "a floating dtype, or check __trainable__."
+            )
+        # An empty model is almost always a mistake; an empty list is how a set starts.
+        raise ValueError(
+            f"tg.Params found no floating-point arrays in the {type(xs).__name__} it was given."
+        )
+    return xs
 
 
 def _name(path: tuple[Any, ...], k: int) -> str:
@@ -220,6 +313,16 @@ def _combine(a: Any, b: Any, op: Callable[[Any, Any], Any]) -> Any:
     if b is None:
         return op(a, jnp.zeros_like(a))
     return op(a, b)
+
+
+def _check_scalar(c: Any, how: str) -> None:
+    if isinstance(c, (int, float, complex, np.generic, np.ndarray, jax.Array)) and not isinstance(
+        c, bool
+    ):
+        return
+    raise TypeError(
+        f"Grads can be {how} by a number or an array, got a {type(c).__name__} ({c!r:.40})."
+    )
 
 
 class Grads(Mapping[Any, Any]):
@@ -334,6 +437,7 @@ class Grads(Mapping[Any, Any]):
     def __mul__(self, c: Any) -> Grads:
         if isinstance(c, Grads):
             return NotImplemented
+        _check_scalar(c, "multiplied")
         return self.map(lambda g: g * c)
 
     __rmul__ = __mul__
@@ -341,10 +445,20 @@ class Grads(Mapping[Any, Any]):
     def __truediv__(self, c: Any) -> Grads:
         if isinstance(c, Grads):
             return NotImplemented
+        _check_scalar(c, "divided")
         return self.map(lambda g: g / c)
 
     def __neg__(self) -> Grads:
         return self.map(jnp.negative)
+
+    def __pos__(self) -> Grads:
+        return self
+
+    def __setitem__(self, p: Any, value: Any) -> None:
+        raise TypeError(
+            "Grads is read-only: make a new one with grads.map(fn) or arithmetic "
+            "(grads * 0.5, g1 + g2), or take the tree with grads.to_tree(model)."
+        )
 
     def leaves_for(self, leaves: list[Any]) -> list[Any]:
         """The gradient for each of `leaves` (a flattened model), as `to_tree` places them."""
@@ -370,7 +484,15 @@ class Grads(Mapping[Any, Any]):
         other leaf gets `None`.
         """
         leaves, treedef = jax.tree_util.tree_flatten(model)
-        return jax.tree_util.tree_unflatten(treedef, self.leaves_for(leaves))
+        out = self.leaves_for(leaves)
+        index = self._lookup()
+        if self._params and not any(id(leaf) in index for leaf in leaves):
+            raise ValueError(
+                "Grads.to_tree: none of the model's arrays is one of the registered parameters "
+                "of these gradients. Pass the model whose tg.params the gradients were taken "
+                "for; after tg.update_ replaced its arrays, take new gradients."
+            )
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def __repr__(self) -> str:
         lines = [f"Grads({len(self)} parameters)"]

@@ -41,6 +41,10 @@ def batches(
     x: np.ndarray, y: np.ndarray, size: int, seed: int = 0
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Shuffled minibatches of exactly `size` examples (the remainder is dropped)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"batches: size must be a positive int, got {size!r}")
+    if len(x) != len(y):
+        raise ValueError(f"batches: x has {len(x)} examples but y has {len(y)}")
     order = np.random.default_rng(seed).permutation(len(x))
     n = len(x) // size
     return [
