@@ -320,3 +320,29 @@ def test_state_round_trips_through_tg_jit_with_frozen_parts():
     assert new_state.layers[0].weight.frozen
     assert_trees_close(new.layers[0], model.layers[0], rtol=0, atol=0)
     assert not np.allclose(new.layers[1].weight, model.layers[1].weight)
+
+
+def test_rule_for_a_single_array_and_copies():
+    import copy
+
+    model = {"w": jnp.ones(2), "b": jnp.ones(2)}
+    state = tg.setup(optax.sgd(1.0), model)
+    state["b"] = tg.setup(optax.sgd(0.1), model["b"])
+    twin = copy.deepcopy(state)
+    state, model = tg.update(state, model, {"w": jnp.ones(2), "b": jnp.ones(2)})
+    np.testing.assert_allclose(model["w"], [0.0, 0.0])
+    np.testing.assert_allclose(model["b"], [0.9, 0.9])
+    assert twin["b"].rule is state["b"].rule and copy.copy(twin)["w"].rule is twin["w"].rule
+
+
+def test_adjust_reaches_inject_hyperparams_inside_multi_transform():
+    model = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    inject = optax.inject_hyperparams
+    rule = optax.multi_transform(
+        {"x": inject(optax.sgd)(learning_rate=0.1), "y": inject(optax.adam)(learning_rate=0.1)},
+        {"a": "x", "b": "y"},
+    )
+    state = tg.setup(rule, model)
+    tg.adjust_(state, learning_rate=0.0)
+    _, new = tg.update(state, model, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    assert_trees_close(new, model, rtol=0, atol=0)

@@ -114,60 +114,84 @@ def _step_impl(
     """One optimiser step for every part, in one XLA computation.
 
     `updated`/`kept` are the distinct parameters that may change / are frozen
-    (separate so that only the former are donated), `grads` one gradient per
-    trainable place (a placeholder where `present` is False).
+    (separate so that only the former are donated); `grads` has one gradient
+    per trainable place, a placeholder where `present` is False.
     """
     params: list[Any] = [None] * config.n
-    for i, x in zip(config.updated, updated, strict=True):
-        params[i] = x
-    for i, x in zip(config.kept, kept, strict=True):
+    for i, x in zip(config.updated + config.kept, updated + kept, strict=True):
         params[i] = x
     for p, i, g in zip(config.tpos, config.tslot, grads, strict=True):
         problem = _gradient_problem(params[i], g)
         if problem:
             raise _BadGradient(f"the gradient at '{config.paths[p]}' {problem}")
+    total, seen = _sum_over_places(config, grads, present)
+    new_states = list(states)
+    new_params: dict[int, Any] = {}
+    for k in range(len(config.parts)):
+        if config.runs[k]:
+            lo, hi = config.offsets[k], config.offsets[k + 1]
+            new_states[lo:hi] = _part_step(
+                config, k, states[lo:hi], params, total, seen, new_params
+            )
+    return tuple(new_states), tuple(new_params[i] for i in config.updated)
+
+
+def _sum_over_places(
+    config: _Config, grads: tuple[Any, ...], present: Any
+) -> tuple[list[Any], list[Any]]:
+    """Per parameter: its gradient summed over its places (zeros where absent), and
+    whether any place had one."""
     total: list[Any] = [None] * config.n
     seen: list[Any] = [None] * config.n
     for k, (i, g) in enumerate(zip(config.tslot, grads, strict=True)):
         here = present[k]
         g = jnp.where(here, g, jnp.zeros_like(g))
-        # A tied array: its gradient is the sum over its places.
         total[i] = g if total[i] is None else total[i] + g
         seen[i] = here if seen[i] is None else seen[i] | here
-    new_states = list(states)
-    new_params: dict[int, Any] = {}
-    for k, part in enumerate(config.parts):
-        if config.runs[k]:
-            lo, hi = config.offsets[k], config.offsets[k + 1]
-            mine = [config.owner[i] == k and i not in config.frozen for i in part.leaf_ids]
-            p_leaves = [params[i] for i in part.leaf_ids]
-            g_leaves = [
-                total[i] if m else jnp.zeros_like(params[i])
-                for i, m in zip(part.leaf_ids, mine, strict=True)
-            ]
-            old = states[lo:hi]
-            updates, state = part.rule.update(
-                part.param_def.unflatten(g_leaves),
-                part.state_def.unflatten(old),
-                part.param_def.unflatten(p_leaves),
-            )
-            new, new_def = jax.tree_util.tree_flatten(state)
-            if new_def != part.state_def:
-                raise TypeError(
-                    f"the optax rule {rule_name(part.rule)} returned a state of another "
-                    "structure than its init gave; treegrad needs the structure to stay fixed."
-                )
-            # Skipped parameters keep their own state entries; shared ones (count) advance.
-            for j, local in enumerate(part.statemap):
-                if local >= 0:
-                    i = part.leaf_ids[local]
-                    new[j] = jnp.where(seen[i], new[j], old[j]) if mine[local] else old[j]
-            new_states[lo:hi] = new
-            u_leaves = part.param_def.flatten_up_to(updates)
-            for local, (i, p, u) in enumerate(zip(part.leaf_ids, p_leaves, u_leaves, strict=True)):
-                if mine[local]:
-                    new_params[i] = jnp.where(seen[i], optax.apply_updates(p, u), p)
-    return tuple(new_states), tuple(new_params[i] for i in config.updated)
+    return total, seen
+
+
+def _part_step(
+    config: _Config,
+    k: int,
+    old: tuple[Any, ...],
+    params: list[Any],
+    total: list[Any],
+    seen: list[Any],
+    new_params: dict[int, Any],
+) -> list[Any]:
+    """Part `k`'s `rule.update` on its tree; the new values of its parameters go to
+    `new_params`. Returns its new optax state leaves."""
+    part = config.parts[k]
+    # Parameters of this tree that another part owns, or that are frozen, are
+    # skipped statically; those without a gradient this step, dynamically.
+    mine = [config.owner[i] == k and i not in config.frozen for i in part.leaf_ids]
+    p_leaves = [params[i] for i in part.leaf_ids]
+    g_leaves = [
+        total[i] if m else jnp.zeros_like(params[i])
+        for i, m in zip(part.leaf_ids, mine, strict=True)
+    ]
+    updates, state = part.rule.update(
+        part.param_def.unflatten(g_leaves),
+        part.state_def.unflatten(old),
+        part.param_def.unflatten(p_leaves),
+    )
+    new, new_def = jax.tree_util.tree_flatten(state)
+    if new_def != part.state_def:
+        raise TypeError(
+            f"the optax rule {rule_name(part.rule)} returned a state of another structure "
+            "than its init gave; treegrad needs the structure to stay fixed."
+        )
+    # Skipped parameters keep their own state entries; shared ones (count) advance.
+    for j, local in enumerate(part.statemap):
+        if local >= 0:
+            i = part.leaf_ids[local]
+            new[j] = jnp.where(seen[i], new[j], old[j]) if mine[local] else old[j]
+    u_leaves = part.param_def.flatten_up_to(updates)
+    for local, (i, p, u) in enumerate(zip(part.leaf_ids, p_leaves, u_leaves, strict=True)):
+        if mine[local]:
+            new_params[i] = jnp.where(seen[i], optax.apply_updates(p, u), p)
+    return new
 
 
 _step = jax.jit(_step_impl, static_argnums=0)

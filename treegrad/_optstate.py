@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._module import register_child_type
+from ._module import Module, register_child_type
 from ._params import trainable_leaves_with_path
 from ._tree import first_difference, functor, is_differentiable, path_str, unique_by_id
 
@@ -164,6 +164,7 @@ class _Config:
             and self.slots == other.slots
             and self.owner == other.owner
             and self.frozen == other.frozen
+            and self.tied == other.tied
             and self.parts == other.parts
             and self.treedef == other.treedef
         )
@@ -285,8 +286,6 @@ def _rebindable(model: Any) -> list[bool]:
 
 
 def _mutable(node: Any, children: list[tuple[Any, Any]]) -> bool:
-    from ._module import Module
-
     if isinstance(node, (Module, list, dict)):
         return True
     if isinstance(node, tuple) or node is None:

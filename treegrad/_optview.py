@@ -10,6 +10,7 @@ own rule.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -102,6 +103,13 @@ class OptState(_View):
 
     def _at(self) -> tuple[OptState, Any]:
         return self, self._config.layout
+
+    # `copy` would restore slots through __setattr__, which assigns rules here.
+    def __copy__(self) -> OptState:
+        return OptState(self._config, self._leaves)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OptState:
+        return OptState(self._config, copy.deepcopy(self._leaves, memo))
 
     def _install(self, config: _Config, leaves: Sequence[Any]) -> None:
         """Replace configuration and arrays in place (views follow: they read the root)."""
