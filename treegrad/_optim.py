@@ -357,6 +357,13 @@ def _run(
     new_params = list(params)
     for i, x in zip(config.updated, new_updated, strict=True):
         new_params[i] = x
+    if not donate and any(x is None for x in g):
+        # A parameter with no gradient at any place keeps its array object, not
+        # only its value: Grads keyed on it stay valid, and update_ rebinds nothing.
+        have = {i for i, x in zip(config.tslot, g, strict=True) if x is not None}
+        for i in config.updated:
+            if i not in have:
+                new_params[i] = params[i]
     return m_leaves, params, new_params, leaves
 
 
