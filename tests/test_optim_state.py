@@ -346,3 +346,27 @@ def test_adjust_reaches_inject_hyperparams_inside_multi_transform():
     tg.adjust_(state, learning_rate=0.0)
     _, new = tg.update(state, model, {"a": jnp.ones(2), "b": jnp.ones(2)})
     assert_trees_close(new, model, rtol=0, atol=0)
+
+
+class Scaled(tg.Module):
+    __trainable__ = ("weight",)
+
+    def __init__(self):
+        self.weight = jnp.ones(2)
+        self.bias = jnp.ones(2)  # a float array left out of training
+        self.steps = jnp.array(0)  # an integer array: never trained
+
+
+def test_untrained_leaves_are_none_in_the_tree_the_rule_sees():
+    model = Scaled()
+    seen = []
+    adam = optax.adam(0.1)
+    rule = optax.GradientTransformation(lambda p: seen.append(p) or adam.init(p), adam.update)
+    state = tg.setup(rule, model)
+    assert seen[0].bias is None and seen[0].steps is None and seen[0].weight is model.weight
+    assert state.bias is None and state.steps is None and isinstance(state.weight, tg.Leaf)
+    (g,) = tg.gradient(lambda m: jnp.sum(m.weight * m.bias), model)
+    assert g.bias is not None  # explicit mode differentiates it; the optimiser ignores it
+    _, new = tg.update(state, model, g)
+    assert new.bias is model.bias and new.steps is model.steps
+    assert not np.allclose(new.weight, model.weight)
