@@ -434,13 +434,14 @@ def graft(
     config: _Config, leaves: Sequence[Any], node: Any, sub: _Config, sub_leaves: Sequence[Any]
 ) -> tuple[_Config, list[Any]]:
     """Give the sub-model at `node` the rules and state of `sub` (a setup of that sub-model)."""
-    where = config.path_of(node) or "<root>"
+    scope = config.path_of(node)
+    where = scope or "<root>"
     if jax.tree_util.tree_structure(node) != sub.treedef:
         at = first_difference(node, sub.treedef.unflatten([0] * sub.treedef.num_leaves))
         raise ValueError(
             f"the state assigned to '{where}' was set up for a different model"
             f"{f' (first difference at {at!r})' if at else ''}; build it with "
-            f"tg.setup(rule, model.{where}) for the sub-model at that place."
+            "tg.setup(rule, sub_model) from the sub-model at that place."
         )
     remap: dict[int, int] = {}
     back: dict[int, int] = {}
@@ -452,13 +453,13 @@ def graft(
             raise ValueError(
                 f"the state assigned to '{where}' does not match the model there: at "
                 f"'{config.paths[p]}' its trainable or tied arrays differ. Build it with "
-                f"tg.setup(rule, model.{where}) from this model."
+                "tg.setup(rule, sub_model) from the sub-model at that place."
             )
         if s >= 0 and sub.avals[s] != config.avals[r]:
             raise ValueError(
                 f"the state assigned to '{where}' was set up for a {_aval(sub.avals[s])} array "
                 f"at '{config.paths[p]}', where the model has {_aval(config.avals[r])}. Build "
-                f"it with tg.setup(rule, model.{where}) for the sub-model at that place."
+                "it with tg.setup(rule, sub_model) from the sub-model at that place."
             )
     base = len(config.parts)
     parts = [
@@ -466,7 +467,7 @@ def graft(
         *(
             part._replace(
                 leaf_ids=tuple(remap[i] for i in part.leaf_ids),
-                scope=_join(where if where != "<root>" else "", part.scope),
+                scope=_join(scope, part.scope),
             )
             for part in sub.parts
         ),
@@ -479,7 +480,8 @@ def graft(
         if s in sub.frozen:
             frozen.add(r)
     per_part = [*split_leaves(config, leaves), *split_leaves(sub, sub_leaves)]
-    return _drop_unowned(config, parts, owner, frozenset(frozen), per_part)
+    new, new_leaves, _ = _drop_unowned(config, parts, owner, frozenset(frozen), per_part)
+    return new, new_leaves
 
 
 def split_leaves(config: _Config, leaves: Sequence[Any]) -> list[list[Any]]:
@@ -494,7 +496,8 @@ def _drop_unowned(
     owner: list[int],
     frozen: frozenset[int],
     per_part: list[list[Any]],
-) -> tuple[_Config, list[Any]]:
+) -> tuple[_Config, list[Any], dict[int, int]]:
+    """Drop the parts that own no parameter; returns the new part numbers too."""
     keep = sorted(set(owner))
     renumber = {k: j for j, k in enumerate(keep)}
     new = config.replaced(
@@ -502,7 +505,7 @@ def _drop_unowned(
         owner=tuple(renumber[k] for k in owner),
         frozen=frozen,
     )
-    return new, [x for k in keep for x in per_part[k]]
+    return new, [x for k in keep for x in per_part[k]], renumber
 
 
 def with_frozen(config: _Config, chosen: Iterable[int], frozen: bool) -> _Config:
@@ -538,9 +541,8 @@ def own_part(
         for i in mine & chosen_set:
             owner[i] = len(parts) - 1
         result.append(len(parts) - 1)
-    keep = sorted(set(owner))
-    new, new_leaves = _drop_unowned(config, parts, owner, config.frozen, per_part)
-    return new, new_leaves, [keep.index(k) for k in result]
+    new, new_leaves, renumber = _drop_unowned(config, parts, owner, config.frozen, per_part)
+    return new, new_leaves, [renumber[k] for k in result]
 
 
 __all__ = [
