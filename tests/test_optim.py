@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import treegrad as tg
-from treegrad import nn
+from treegrad import _optstep, nn
 
 from .helpers import MLP, assert_trees_close, mse
 
@@ -136,7 +136,7 @@ def run_explicit(make_rule, steps=10):
         else:
             (g,) = tg.gradient(loss, model)
         state, model = tg.update(state, model, g)
-        traces.append(tg._optim._step._cache_size())
+        traces.append(_optstep.step._cache_size())
     return model, state, traces
 
 
@@ -151,7 +151,7 @@ def run_implicit(make_rule, steps=10):
         else:
             grads = tg.gradient(lambda: loss(model), ps)
         tg.update_(state, ps, grads)
-        traces.append(tg._optim._step._cache_size())
+        traces.append(_optstep.step._cache_size())
     return model, state, traces
 
 
@@ -235,11 +235,11 @@ def test_update_does_not_retrace():
     state = tg.setup(optax.adam(1e-3), model)
     (g,) = tg.gradient(lambda m: mse(m, xs, ys), model)
     state, model = tg.update(state, model, g)
-    n = tg._optim._step._cache_size()
+    n = _optstep.step._cache_size()
     for _ in range(3):
         (g,) = tg.gradient(lambda m: mse(m, xs, ys), model)
         state, model = tg.update(state, model, g)
-    assert tg._optim._step._cache_size() == n
+    assert _optstep.step._cache_size() == n
 
 
 def test_jit_training_step_traces_once_and_matches_eager():

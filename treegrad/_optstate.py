@@ -11,7 +11,7 @@ optax user holds it.
 A `_Part` is one rule with its optax state. A state has one part, unless a
 sub-model was given its own rule (`state.l1 = tg.setup(rule2, model.l1)`) or
 its own hyperparameters (`tg.adjust_(state.l1, ...)`): each part then *owns*
-some parameters, and treats the others as skipped (see `_optim._step_impl`).
+some parameters, and treats the others as skipped (see `_optstep.py`).
 Everything static (rules, tree structures, which part owns which parameter,
 which are frozen) lives in one hashable `_Config`, the treedef aux of the
 `OptState` pytree; its only children are the optax states' arrays, so a step
