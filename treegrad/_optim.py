@@ -1,27 +1,34 @@
-"""The model-tree optimiser: optax rules, one state shaped like the model.
+"""The model-tree optimiser on optax: `setup`, `update`, `update_` and friends.
 
-As in Optimisers.jl, `setup` builds a state that mirrors the model (the state
-of `model.l1` is `state.l1`, of `model[0]` is `state[0]`) and `update` walks
-model, gradients and state together; the optimiser does not know or care which
-gradient style produced the gradients. Storage is by groups (see
-`_optstate.py`): the arrays set up with one rule share one optax state, so a
-step is one compiled call whatever the number of arrays, and the rule sees them
-as optax would see a model.
+As in Optimisers.jl, `setup` builds a state that mirrors the model and
+`update` walks model, gradients and state together; the optimiser does not
+know which gradient style produced the gradients. The state is one optax
+state over the trainable tree (`_optstate.py`), seen through the model's shape
+(`_optview.py`), so every optax rule, including those that look across
+parameters, gives plain optax's result. The step itself is one compiled call
+(`_optstep.py`); this module checks everything before it runs, so a failed
+update changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from ._optstate import Leaf, OptState, SubState, _Group, _rule_name, _Slot, build, compact, split
-from ._params import Grads, Params, trainable_leaves_with_path
+from ._optstate import _Config, build, own_part, split_leaves, trainable_slots, with_frozen
+from ._optstep import BadGradient, step, step_donating
+from ._optview import Leaf, OptState, SubState, rule_name
+from ._params import Grads, Params
 from ._paths import rebind
-from ._tree import first_difference, is_differentiable
+from ._tree import describe_leaf, first_difference, is_none, tree_map_shared, unique_by_id
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
 def _source(model: Any) -> Any:
@@ -29,18 +36,22 @@ def _source(model: Any) -> Any:
 
 
 def setup(rule: optax.GradientTransformation, model: Any) -> OptState:
-    """Build the optimiser state for `model`: navigable like the model.
+    """Build the optimiser state for `model`: one optax state, navigable like the model.
 
     Arguments:
         rule: any optax `GradientTransformation` (use `optax.inject_hyperparams`
-            to be able to `tg.adjust` its hyperparameters later).
+            to be able to `tg.adjust` its hyperparameters later). It is
+            initialised on the trainable tree: the model with `None` in place
+            of every leaf the optimiser does not train (non-floating arrays,
+            attributes outside `__trainable__`, and the second and later
+            places of a tied array). Label and mask trees for
+            `optax.multi_transform` and `optax.masked` have that structure.
         model: a model (Module, dict, list, any pytree) or a `tg.Params`.
 
     Returns:
         An `OptState`: `state.l1` is the state of `model.l1`, `state[0]` of
-        `model[0]`, and at each trainable floating-point array (respecting
-        `__trainable__`) there is a `tg.Leaf`; `None` elsewhere. Assign a
-        sub-state to use another rule for a sub-model:
+        `model[0]`, and at each trainable array there is a `tg.Leaf`; `None`
+        elsewhere. Assign a sub-state to use another rule for a sub-model:
         `state.l1 = tg.setup(other_rule, model.l1)`.
 
     Examples:
@@ -56,115 +67,24 @@ def setup(rule: optax.GradientTransformation, model: Any) -> OptState:
             f"tg.setup expects an optax GradientTransformation (e.g. optax.adam(1e-3)), "
             f"got {type(rule).__name__}."
         )
-    model = _source(model)
-    trainable = {
-        id(leaf) for _, leaf in trainable_leaves_with_path(model) if is_differentiable(leaf)
-    }
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    return build(rule, leaves, trainable, treedef)
+    return OptState(*build(rule, _source(model)))
 
 
-def _step_impl(groups: list[_Group], params: list[list[Any]], grads: list[list[Any]]) -> Any:
-    # Every group's optax update in one XLA computation: one dispatch per step.
-    new_groups, new_params = [], []
-    for group, p, g in zip(groups, params, grads, strict=True):
-        updates, state = group.rule.update(g, group.state, p)
-        new_groups.append(_Group(group.rule, state, group.n, group.frozen))
-        new_params.append(optax.apply_updates(p, updates))
-    return new_groups, new_params
-
-
-_step = jax.jit(_step_impl)
-# Each member appears once in its group (tied weights are one member), so no
-# buffer is donated twice.
-_step_donating = jax.jit(_step_impl, donate_argnums=(0, 1))
+# --- checks and plumbing around the step -------------------------------------------------
 
 
 def _check_state(state: Any, api: str) -> OptState:
-    if not isinstance(state, OptState):
+    if isinstance(state, OptState):
+        return state
+    if isinstance(state, (SubState, Leaf)):
         raise TypeError(
-            f"{api}: expected the optimiser state from tg.setup as the first argument, got "
-            f"{type(state).__name__}. Call it as {api}(state, model, grads)."
+            f"{api}: pass the whole optimiser state from tg.setup, not a part of it; parts "
+            "(state.l1, state[0]) are for tg.freeze_, tg.adjust_ and assigning a rule."
         )
-    return state
-
-
-class _Plan:
-    """Model, state and gradients aligned, and the groups to update this step."""
-
-    __slots__ = ("groups", "m_def", "m_leaves", "new_params", "slots")
-
-    def __init__(self, state: OptState, model: Any, grads: Any, api: str, donate: bool = False):
-        # No is_leaf: a Python callback per node would cost more than the rest of the plan.
-        m_leaves, m_def = jax.tree_util.tree_flatten(model)
-        if m_def != state._treedef:
-            raise ValueError(_mismatch(api, "optimiser state", model, state.layout))
-        if isinstance(grads, Grads):
-            # Looked up by identity, as Grads.to_tree would, without building the tree.
-            g_leaves = grads.leaves_for(m_leaves)
-        else:
-            _check_not_wrapped(grads, model, api)
-            try:
-                # The gradient has the model's structure, with None where the model
-                # has a non-differentiable leaf.
-                g_leaves = m_def.flatten_up_to(grads)  # type: ignore[attr-defined]
-            except (ValueError, TypeError):
-                raise ValueError(_mismatch(api, "gradient", model, grads)) from None
-        groups = state.groups
-        slots = state._slots
-        params, acc = _collect(groups, slots, m_leaves, g_leaves)
-        # Members without a gradient keep their value and state: split them off.
-        missing = {
-            _Slot(k, i)
-            for k, group in enumerate(groups)
-            if not group.frozen and any(a is None for a in acc[k])
-            for i, a in enumerate(acc[k])
-            if a is None
-        }
-        if missing:
-            groups, slots = split(groups, slots, missing, frozen=False)
-            params, acc = _collect(groups, slots, m_leaves, g_leaves)
-        self.m_leaves, self.m_def, self.slots = m_leaves, m_def, slots
-        active = [
-            k
-            for k, grp in enumerate(groups)
-            if not grp.frozen and all(a is not None for a in acc[k])
-        ]
-        new_groups = list(groups)
-        new_params = [list(p) for p in params]
-        if active:
-            out_groups, out_params = (_step_donating if donate else _step)(
-                [groups[k] for k in active], [params[k] for k in active], [acc[k] for k in active]
-            )
-            for k, grp, ps in zip(active, out_groups, out_params, strict=True):
-                new_groups[k] = grp
-                new_params[k] = ps
-        self.groups = new_groups
-        self.new_params = new_params
-
-    def model_leaves(self) -> list[Any]:
-        # One new object per member, so that the places of a tied weight share it.
-        return [
-            p if s is None else self.new_params[s.g][s.i]
-            for p, s in zip(self.m_leaves, self.slots, strict=True)
-        ]
-
-
-def _collect(
-    groups: list[_Group], slots: Any, m_leaves: list[Any], g_leaves: list[Any]
-) -> tuple[list[list[Any]], list[list[Any]]]:
-    """Per group: each member's parameter and gradient (None where it has none)."""
-    params: list[list[Any]] = [[None] * g.n for g in groups]
-    acc: list[list[Any]] = [[None] * g.n for g in groups]
-    for p, s, g in zip(m_leaves, slots, g_leaves, strict=True):
-        if s is None:
-            continue
-        params[s.g][s.i] = p
-        if g is not None:
-            prev = acc[s.g][s.i]
-            # A tied weight: the gradients from each of its places are summed.
-            acc[s.g][s.i] = g if prev is None else prev + g
-    return params, acc
+    raise TypeError(
+        f"{api}: expected the optimiser state from tg.setup as the first argument, got "
+        f"{type(state).__name__}. Call it as {api}(state, model, grads)."
+    )
 
 
 def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
@@ -188,6 +108,134 @@ def _check_not_wrapped(grads: Any, model: Any, api: str) -> None:
         )
 
 
+def _gradient_leaves(m_def: Any, model: Any, grads: Any, api: str) -> list[Any]:
+    """The gradient at each leaf position of the model (`None` allowed)."""
+    try:
+        return list(m_def.flatten_up_to(grads))
+    except (ValueError, TypeError):
+        pass
+    # `None` for a whole sub-tree ({"enc": None, "dec": g}) skips every parameter in it.
+    items, g_def_ = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
+    g_def: Any = g_def_
+    try:
+        subtrees = g_def.flatten_up_to(model)
+    except (ValueError, TypeError):
+        raise ValueError(_mismatch(api, "gradient", model, grads)) from None
+    out: list[Any] = []
+    for g, sub in zip(items, subtrees, strict=True):
+        structure: Any = jax.tree_util.tree_structure(sub)
+        if g is None:
+            out.extend([None] * structure.num_leaves)
+        elif structure.num_nodes == 1 and structure.num_leaves == 1:
+            out.append(g)
+        else:
+            raise ValueError(_mismatch(api, "gradient", model, grads))
+    return out
+
+
+def _from_tree(
+    config: _Config, m_def: Any, m_leaves: list[Any], model: Any, grads: Any, api: str
+) -> list[Any]:
+    _check_not_wrapped(grads, model, api)
+    g_leaves = _gradient_leaves(m_def, model, grads, api)
+    if not all(g is None or isinstance(g, _ARRAYS) for g in g_leaves):
+        p, g = next(
+            (p, g) for p, g in enumerate(g_leaves) if not (g is None or isinstance(g, _ARRAYS))
+        )
+        expected = (
+            f"a {describe_leaf(m_leaves[p])} array or None"
+            if config.slots[p] >= 0
+            else "None (the optimiser does not train this leaf)"
+        )
+        raise TypeError(
+            f"{api}: the gradient at '{config.paths[p]}' is a {type(g).__name__} "
+            f"({g!r:.40}); expected {expected}. Pass the gradient tree that tg.gradient gives."
+        )
+    return [g_leaves[p] for p in config.tpos]
+
+
+def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: list[Any], api: str):
+    held = set(map(id, params))
+    if not all(map(held.__contains__, map(id, grads))):
+        # Never a silent no-op: these gradients belong to arrays the model no longer holds.
+        name = next(n for n, p in zip(grads.named(), grads, strict=True) if id(p) not in held)
+        raise ValueError(
+            f"{api}: the Grads hold gradients for arrays that are not this model's parameters "
+            f"(e.g. '{name}'): they were taken before the parameters were replaced, by an "
+            "earlier tg.update_ or an assignment. Take the gradients again after each update "
+            "(grads = tg.gradient(lambda: loss(...), ps)), then call update_."
+        )
+    g_leaves = grads.leaves_for(m_leaves)
+    return [g_leaves[p] for p in config.tpos]
+
+
+def _inputs(
+    config: _Config, grads: list[Any], params: list[Any], donate: bool
+) -> tuple[tuple[Any, ...], Any]:
+    missing = tuple(k for k, g in enumerate(grads) if g is None)
+    tracing = bool(params) and isinstance(params[0], jax.core.Tracer)
+    if not missing:
+        return tuple(grads), config.present((), tracing)
+    filled = list(grads)
+    for k in missing:
+        x = params[config.tslot[k]]
+        # A placeholder of the gradient's shape and dtype, ignored by the step:
+        # the parameter itself costs nothing, but a donated buffer cannot be
+        # read a second time.
+        filled[k] = jnp.zeros(x.shape, x.dtype) if donate else x
+    return tuple(filled), config.present(missing, tracing)
+
+
+def _check_rebindable(config: _Config, model: Any, api: str) -> None:
+    pinned = [p for p in config.pinned(model) if config.slots[p] not in config.frozen]
+    if pinned:
+        raise TypeError(
+            f"{api}: cannot update '{config.paths[pinned[0]]}' in place: only tuples hold it, "
+            f"up to the {type(model).__name__} at the root, and tuples are immutable. Hold "
+            "parameters in a tg.Module, a dict or a list, or use the pure tg.update."
+        )
+
+
+def _run(
+    state: OptState, model: Any, grads: Any, api: str, *, donate: bool = False, in_place: bool
+) -> tuple[list[Any], list[Any], list[Any], tuple[Any, ...]]:
+    """Check everything, then run the compiled step; nothing is changed here.
+
+    Returns the model's leaves, its distinct parameters, their new values and
+    the new optax state leaves.
+    """
+    config = state._config
+    m_leaves, m_def = jax.tree_util.tree_flatten(model)
+    if m_def != config.treedef:
+        raise ValueError(_mismatch(api, "optimiser state", model, config.layout))
+    if in_place:
+        _check_rebindable(config, model, api)
+    params = [m_leaves[p] for p in config.first]
+    if isinstance(grads, Grads):
+        g = _from_mapping(config, grads, m_leaves, params, api)
+    else:
+        g = _from_tree(config, m_def, m_leaves, model, grads, api)
+    g_in, present = _inputs(config, g, params, donate)
+    run = step_donating if donate else step
+    updated = tuple(params[i] for i in config.updated)
+    kept = tuple(params[i] for i in config.kept)
+    try:
+        leaves, new_updated = run(config, state._leaves, updated, kept, g_in, present)
+    except BadGradient as e:
+        raise ValueError(f"{api}: {e}") from None
+    new_params = list(params)
+    for i, x in zip(config.updated, new_updated, strict=True):
+        new_params[i] = x
+    if not donate and any(x is None for x in g):
+        # A parameter with no gradient at any place keeps its array object, not
+        # only its value: Grads keyed on it stay valid, and update_ rebinds nothing.
+        have = {i for i, x in zip(config.tslot, g, strict=True) if x is not None}
+        for i in config.updated:
+            if i not in have:
+                new_params[i] = params[i]
+    return m_leaves, params, new_params, leaves
+
+
 def update(
     state: OptState, model: Any, grads: Any, *, donate: bool = False
 ) -> tuple[OptState, Any]:
@@ -196,15 +244,18 @@ def update(
     Arguments:
         state: from `tg.setup`.
         model: the model the gradients were taken for.
-        grads: its explicit gradient tree (`None` entries skip a parameter:
-            its value and optimiser state are unchanged), or a `tg.Grads`.
+        grads: its explicit gradient tree, or a `tg.Grads`. `None` (for a leaf
+            or a whole sub-tree, `{"enc": None, "dec": g}`) skips those
+            parameters: their values and their own optax state entries are
+            kept, while shared counters (optax's `count`) advance as in optax.
         donate: let XLA reuse the buffers of the updated parameters and of
-            their optimiser state for the new ones, so a large model is not
+            the optimiser state for the new ones, so a large model is not
             held twice. The old arrays are deleted: use it only when nothing
             will read the old model or state again.
 
     Returns:
-        `(state, model)`, new objects; the inputs are left as they were.
+        `(state, model)`, new objects; the inputs are left as they were. A
+        sub-model held at two places is one object in the new model too.
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -216,11 +267,19 @@ def update(
         Array([0.8, 1.6], dtype=float32)
     """
     state = _check_state(state, "tg.update")
-    plan = _Plan(state, _source(model), grads, "tg.update", donate)
-    new_state = OptState(plan.groups, state._treedef, plan.slots)
-    if plan.slots is state._slots:
-        object.__setattr__(new_state, "_aux", state._aux)  # same layout: reuse its hash
-    return new_state, jax.tree_util.tree_unflatten(plan.m_def, plan.model_leaves())
+    model = _source(model)
+    m_leaves, params, new_params, leaves = _run(
+        state, model, grads, "tg.update", donate=donate, in_place=False
+    )
+    config = state._config
+    new_state = OptState(config, leaves)
+    if config.tied:
+        by_id = {id(old): new for old, new in zip(params, new_params, strict=True)}
+        return new_state, tree_map_shared(lambda leaf: by_id.get(id(leaf), leaf), model)
+    new_leaves = [
+        leaf if s < 0 else new_params[s] for s, leaf in zip(config.slots, m_leaves, strict=True)
+    ]
+    return new_state, config.treedef.unflatten(new_leaves)
 
 
 def update_(state: OptState, model: Any, grads: Any) -> None:
@@ -230,10 +289,12 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
         state: from `tg.setup`; updated in place.
         model: a model held in mutable containers (Modules, dicts, lists), or a
             `tg.Params` built from one.
-        grads: the explicit gradient tree, or a `tg.Grads`.
+        grads: the explicit gradient tree, or a `tg.Grads` taken for the
+            model's current arrays.
 
     Returns:
         None; the model's containers and the state are changed in place.
+        Everything is checked first: on any error neither is changed.
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -245,79 +306,129 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
         >>> model["w"]
         Array([0.8, 1.6], dtype=float32)
     """
-    state = _check_state(state, "tg.update_")
-    model_src = _source(model)
-    if isinstance(model_src, jax.Array):
+    api = "tg.update_"
+    state = _check_state(state, api)
+    src = _source(model)
+    if isinstance(src, jax.Array):
         raise TypeError(
             "tg.update_ cannot update a standalone array in place; hold it in a list, dict or "
             "Module, or use the pure tg.update."
         )
-    plan = _Plan(state, model_src, grads, "tg.update_")
-    # All computed before anything is touched: a failure above leaves model and state as they were.
-    changed = {
-        id(old): new
-        for old, new in zip(plan.m_leaves, plan.model_leaves(), strict=True)
-        if old is not new
-    }
+    _, params, new_params, leaves = _run(state, src, grads, api, in_place=True)
+    changed = {id(old): new for old, new in zip(params, new_params, strict=True) if old is not new}
     if changed:
-        rebind(model_src, changed)
-    state.replace(plan.groups, plan.slots)
+        rebind(src, changed)
+    state._install(state._config, leaves)
 
 
-def _view_slots(state: Any, api: str) -> tuple[OptState, set[_Slot]]:
-    if isinstance(state, Leaf):
-        return state._root, {state._slot}
+# --- changing the state: hyperparameters, freezing --------------------------------------
+
+
+def _chosen(state: Any, api: str) -> tuple[OptState, list[int], str]:
+    """The root state, the parameters under `state`, and its model path."""
     if isinstance(state, OptState):
-        return state, set(state.slots())
-    if isinstance(state, SubState):
-        return state._r(), set(state.slots())
+        return state, list(range(state._config.n)), ""
+    if isinstance(state, (SubState, Leaf)):
+        root = state._root
+        return root, state._params_under(), state._scope()
     raise TypeError(
-        f"{api} expects an optimiser state from tg.setup, or a part of one, "
-        f"got {type(state).__name__}"
+        f"{api} expects an optimiser state from tg.setup, or a part of one (state.l1, "
+        f"state[0]), got {type(state).__name__}"
     )
 
 
-def _adjusted_state(hyper: dict[str, Any]) -> Any:
-    def adjust_group(group: _Group) -> Any:
-        hp = getattr(group.state, "hyperparams", None)
-        if not isinstance(hp, dict):
-            raise TypeError(
-                f"tg.adjust: the rule {_rule(group)} has no adjustable "
-                "hyperparameters. Build it with optax.inject_hyperparams, e.g. "
-                "tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), model)."
-            )
-        unknown = set(hyper) - set(hp)
-        if unknown:
-            raise TypeError(
-                f"tg.adjust: unknown hyperparameter(s) {sorted(unknown)}; "
-                f"this rule has {sorted(hp)}."
-            )
-        new_hp = dict(hp)
-        for k, v in hyper.items():
-            new_hp[k] = jnp.asarray(v, dtype=jnp.asarray(hp[k]).dtype)
-        return group.state._replace(hyperparams=new_hp)
-
-    return adjust_group
+def _is_injected(x: Any) -> bool:
+    # optax.inject_hyperparams' states (stateful or not) hold a dict `hyperparams`.
+    return isinstance(getattr(x, "hyperparams", None), dict) and hasattr(x, "_replace")
 
 
-def _rule(group: _Group) -> str:
-    return _rule_name(group.rule)
+def _check_value(name: str, value: Any, api: str) -> Any:
+    if isinstance(value, (str, bytes)) or not isinstance(
+        value, (int, float, np.number, np.ndarray, jax.Array)
+    ):
+        raise TypeError(
+            f"{api}: {name}={value!r} is a {type(value).__name__}; a hyperparameter is a number, "
+            f"e.g. {api}(state, {name}=1e-4)."
+        )
+    return value
 
 
-def _changed_groups(
-    state: Any, api: str, **change: Any
-) -> tuple[OptState, list[_Group], tuple[Any, ...]]:
-    root, chosen = _view_slots(state, api)
-    groups, slots = split(root.groups, root._slots, chosen, **change)
-    return root, groups, slots
+def _cast(name: str, value: Any, old: Any, api: str) -> Any:
+    new = jnp.asarray(value)
+    if new.shape != jnp.shape(old):
+        raise ValueError(
+            f"{api}: {name} must have shape {jnp.shape(old)} like the rule's, got {new.shape}."
+        )
+    if (new.dtype == jnp.bool_) != (jnp.asarray(old).dtype == jnp.bool_) or (
+        jnp.iscomplexobj(new) and not jnp.iscomplexobj(old)
+    ):
+        raise TypeError(f"{api}: {name} is {jnp.asarray(old).dtype} in the rule, got {new.dtype}.")
+    return new.astype(jnp.asarray(old).dtype)
+
+
+def _with_hyperparams(state: Any, values: dict[str, Any], rule: Any, api: str) -> Any:
+    """Set hyperparameters in every `inject_hyperparams` state, at any depth of `state`."""
+    found: set[str] = set()
+    available: set[str] = set()
+    injected = False
+
+    def change(x: Any) -> Any:
+        nonlocal injected
+        if not _is_injected(x):
+            return x
+        injected = True
+        hyper = dict(x.hyperparams)
+        scheduled = getattr(x, "hyperparams_states", None) or {}
+        available.update(hyper)
+        for name, value in values.items():
+            if name in hyper:
+                if name in scheduled:
+                    raise TypeError(
+                        f"{api}: {name} follows a schedule in the rule {rule_name(rule)} and is "
+                        "recomputed every step; build the rule with a number for it to adjust it."
+                    )
+                hyper[name] = _cast(name, value, hyper[name], api)
+                found.add(name)
+        return x._replace(hyperparams=hyper)
+
+    new = jax.tree_util.tree_map(change, state, is_leaf=_is_injected)
+    if not injected:
+        raise TypeError(
+            f"{api}: the rule {rule_name(rule)} has no adjustable hyperparameters. Build it "
+            "(or a part of its chain) with optax.inject_hyperparams, e.g. "
+            "tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), model)."
+        )
+    unknown = set(values) - found
+    if unknown:
+        raise TypeError(
+            f"{api}: unknown hyperparameter(s) {sorted(unknown)}; "
+            f"this rule has {sorted(available)}."
+        )
+    return new
+
+
+def _adjusted(state: Any, hyper: dict[str, Any], api: str) -> tuple[OptState, _Config, list[Any]]:
+    root, chosen, scope = _chosen(state, api)
+    if not hyper:
+        raise TypeError(f"{api}: name the hyperparameters to change, e.g. learning_rate=1e-4.")
+    values = {name: _check_value(name, v, api) for name, v in hyper.items()}
+    config, leaves, parts = own_part(root._config, root._leaves, chosen, scope)
+    per_part = split_leaves(config, leaves)
+    for k in parts:
+        part = config.parts[k]
+        new = _with_hyperparams(part.state_def.unflatten(per_part[k]), values, part.rule, api)
+        per_part[k] = jax.tree_util.tree_leaves(new)
+    return root, config, [x for xs in per_part for x in xs]
 
 
 def adjust_(state: Any, **hyper: Any) -> None:
     """Change hyperparameters (e.g. `learning_rate`) in place, keeping the moments.
 
-    Works on a whole state or a part of one (`tg.adjust_(state.l1, learning_rate=1e-4)`),
-    which then gets its own copy of the optimiser state. The rule must come
-    from `optax.inject_hyperparams`.
+    The rule, or a part of its chain, must come from `optax.inject_hyperparams`.
+    Works on a whole state or a part of one (`tg.adjust_(state.l1, learning_rate=1e-4)`);
+    a part that shares its optax state with other parameters first gets its
+    own copy of it (moments and counters included), as if it had been given
+    its own rule, so rules that look across parameters then see it apart.
 
     Arguments:
         state: an optimiser state, a sub-state or a `tg.Leaf`.
@@ -333,15 +444,17 @@ def adjust_(state: Any, **hyper: Any) -> None:
         >>> round(float(state[0].state.hyperparams["learning_rate"]), 6)
         0.01
     """
-    root, groups, slots = _changed_groups(state, "tg.adjust_", new_state=_adjusted_state(hyper))
-    root.replace(*compact(groups, slots))
+    root, config, leaves = _adjusted(state, hyper, "tg.adjust_")
+    root._install(config, leaves)
 
 
-def adjust(state: OptState, **hyper: Any) -> OptState:
+def adjust(state: Any, **hyper: Any) -> OptState:
     """Change hyperparameters, pure: returns a new state with the moments kept.
 
     Arguments:
-        state: from `tg.setup` with a rule built by `optax.inject_hyperparams`.
+        state: from `tg.setup` with a rule built by `optax.inject_hyperparams`
+            (anywhere in its chain), or a part of one (then the whole new state
+            is returned, changed for that part).
         **hyper: new values, e.g. `learning_rate=1e-4`.
 
     Returns:
@@ -356,13 +469,14 @@ def adjust(state: OptState, **hyper: Any) -> OptState:
         >>> lr(new), lr(state)
         (0.5, 0.1)
     """
-    root, groups, slots = _changed_groups(state, "tg.adjust", new_state=_adjusted_state(hyper))
-    new_groups, new_slots = compact(groups, slots)
-    return OptState(new_groups, root._treedef, new_slots)
+    _, config, leaves = _adjusted(state, hyper, "tg.adjust")
+    return OptState(config, leaves)
 
 
 def freeze_(state: Any) -> None:
     """Freeze every parameter under `state` (a state, sub-state or Leaf): no more updates.
+
+    Frozen parameters keep their values and their own optax state entries.
 
     Arguments:
         state: the (part of the) optimiser state to freeze.
@@ -380,8 +494,8 @@ def freeze_(state: Any) -> None:
         >>> model["a"], model["b"]
         (Array([1., 1.], dtype=float32), Array([0.9, 0.9], dtype=float32))
     """
-    root, groups, slots = _changed_groups(state, "tg.freeze_", frozen=True)
-    root.replace(groups, slots)
+    root, chosen, _ = _chosen(state, "tg.freeze_")
+    root._install(with_frozen(root._config, chosen, True), root._leaves)
 
 
 def thaw_(state: Any) -> None:
@@ -400,8 +514,8 @@ def thaw_(state: Any) -> None:
         >>> state["w"].frozen
         False
     """
-    root, groups, slots = _changed_groups(state, "tg.thaw_", frozen=False)
-    root.replace(groups, slots)
+    root, chosen, _ = _chosen(state, "tg.thaw_")
+    root._install(with_frozen(root._config, chosen, False), root._leaves)
 
 
 def destructure(model: Any) -> tuple[jax.Array, Any]:
@@ -412,8 +526,9 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
 
     Returns:
         `(flat, rebuild)`: `flat` concatenates every trainable floating-point
-        array; `rebuild(v)` returns a copy of `model` with those arrays taken
-        from `v` (differentiable, so `jax.grad` flows through it).
+        array, a tied array once; `rebuild(v)` returns a copy of `model` with
+        those arrays taken from `v` (differentiable, so `jax.grad` flows
+        through it), tied arrays and shared sub-models shared again.
 
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg
@@ -424,22 +539,9 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
         Array([[2., 2.],
                [2., 2.]], dtype=float32)
     """
-    trainable = {
-        id(leaf) for _, leaf in trainable_leaves_with_path(model) if is_differentiable(leaf)
-    }
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    index: dict[int, int] = {}
-    uniq: list[Any] = []
-    slots: list[int] = []
-    for leaf in leaves:
-        if id(leaf) in trainable:
-            if id(leaf) not in index:
-                index[id(leaf)] = len(uniq)
-                uniq.append(leaf)
-            slots.append(index[id(leaf)])
-        else:
-            slots.append(-1)
+    leaves, treedef, slots, uniq = trainable_slots(model)
     flat, unravel = jax.flatten_util.ravel_pytree(uniq)
+    shared = len(unique_by_id(leaves)[0]) < len(leaves)
 
     def rebuild(v: Any) -> Any:
         if getattr(v, "shape", None) != flat.shape:
@@ -447,9 +549,26 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
                 f"destructure's rebuild expects a vector of shape {flat.shape}, got "
                 f"{getattr(v, 'shape', type(v).__name__)}"
             )
-        parts = unravel(v)
-        return jax.tree_util.tree_unflatten(
-            treedef, [leaves[i] if s < 0 else parts[s] for i, s in enumerate(slots)]
+        parts: Sequence[Any] = unravel(v)
+        if shared:
+            by_id = {id(old): new for old, new in zip(uniq, parts, strict=True)}
+            return tree_map_shared(lambda leaf: by_id.get(id(leaf), leaf), model)
+        return treedef.unflatten(
+            [leaf if s < 0 else parts[s] for s, leaf in zip(slots, leaves, strict=True)]
         )
 
     return flat, rebuild
+
+
+__all__ = [
+    "Leaf",
+    "OptState",
+    "adjust",
+    "adjust_",
+    "destructure",
+    "freeze_",
+    "setup",
+    "thaw_",
+    "update",
+    "update_",
+]

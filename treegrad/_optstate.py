@@ -1,395 +1,156 @@
-"""The optimiser state: groups of parameters under one optax rule, seen through a model-shaped tree.
+"""The optimiser state: one optax state over the model's trainable tree.
 
-Storage and view are separate. A `_Group` is one optax state over a *list* of
-parameters (the members), exactly what `rule.init(params)` gives for a list,
-so the rule sees the group as optax would see a whole model (global-norm
-clipping included) and the compiled step has one `count` per group instead of
-one per array. Measured on a 17-layer MLP, per-array optax states cost 30% more
-per step than one state (extra scalar buffers and scalar kernels), and the gap
-grew to tens of milliseconds at 1,000 arrays.
+`tg.setup(rule, model)` calls `rule.init` on the *trainable tree*: the model
+itself with `None` in place of every leaf the optimiser does not train
+(non-differentiable leaves, attributes left out by `__trainable__`, and every
+place of a tied array but the first). Every optax combinator then sees the
+tree it expects (`clip_by_global_norm` the whole model, `masked` and
+`multi_transform` their label trees, `flatten` one vector), exactly as a plain
+optax user holds it.
 
-The view is `OptState`: a layout shaped like the model (the same Modules, lists
-and dicts) holding a `_Slot(group, member)` where the model holds a trainable
-array. `state.l1`, `state[0]` and `state["w"]` navigate it like the model;
-at an array one finds a `Leaf` (rule, that member's part of the state,
-frozen). A tied weight has one slot at each of its places, so one member.
+A `_Part` is one rule with its optax state. A state has one part, unless a
+sub-model was given its own rule (`state.l1 = tg.setup(rule2, model.l1)`) or
+its own hyperparameters (`tg.adjust_(state.l1, ...)`): each part then *owns*
+some parameters, and treats the others as skipped (see `_optstep.py`).
+Everything static (rules, tree structures, which part owns which parameter,
+which are frozen) lives in one hashable `_Config`, the treedef aux of the
+`OptState` pytree; its only children are the optax states' arrays, so a step
+passes the same config object on and jax never re-hashes it.
 
-Operations that treat part of a group differently (a `None` gradient, freezing
-or adjusting a sub-model) split the group first: `select` keeps some members,
-slicing every per-member list of the optax state and copying shared scalars.
+Which optax state entries belong to which parameter comes from optax's public
+`optax.tree_map_params`, once per part (`_Part.statemap`); nothing guesses at
+state shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-from ._module import register_child_type
+from ._module import Module, register_child_type
+from ._params import trainable_leaves_with_path
+from ._tree import first_difference, functor, is_differentiable, path_str, unique_by_id
 
 
-class _Slot:
-    """Marks a trainable array in the layout: member `i` of group `g`."""
+class _Part(NamedTuple):
+    """One optax rule and its state's static layout."""
 
-    __slots__ = ("g", "i")
+    rule: Any
+    state_def: Any
+    """Treedef of the rule's optax state."""
+    param_def: Any
+    """Treedef of the tree `rule.init` was given (`None` where masked out)."""
+    leaf_ids: tuple[int, ...]
+    """For each leaf of that tree, the parameter it is (index into the distinct arrays)."""
+    statemap: tuple[int, ...]
+    """For each optax state leaf, the leaf of `param_def` it belongs to, or -1 (shared)."""
+    scope: str
+    """Model path of the sub-model the rule was set up for ("" for the whole model)."""
 
-    def __init__(self, g: int, i: int):
-        self.g = g
-        self.i = i
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Slot) and other.g == self.g and other.i == self.i
+class _Pos:
+    """A leaf position of the model, in the model-shaped layout used for navigation."""
 
-    def __hash__(self) -> int:
-        return hash((self.g, self.i))
+    __slots__ = ("p",)
+
+    def __init__(self, p: int):
+        self.p = p
 
     def __repr__(self) -> str:
-        return f"_Slot({self.g}, {self.i})"
+        return f"_Pos({self.p})"
 
 
-class _NoSlot:
-    """Marks an array the optimiser does not train (its place in the layout)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "-"
+register_child_type(_Pos)
 
 
-NOSLOT = _NoSlot()
-register_child_type(_Slot)
-register_child_type(_NoSlot)
+class _Config:
+    """Everything static about an optimiser state; the `OptState` pytree's aux data.
 
+    `slots[p]` is the parameter at model leaf position `p` (an index into the
+    model's distinct trainable arrays, shared by the places of a tied array)
+    or -1; `owner[i]` the part that updates parameter `i`; `frozen` the
+    parameters no part updates.
+    """
 
-class _Group:
-    """One optax state over a list of `n` parameters."""
-
-    __slots__ = ("frozen", "n", "rule", "state")
-
-    def __init__(self, rule: Any, state: Any, n: int, frozen: bool = False):
-        self.rule = rule
-        self.state = state
-        self.n = n
-        self.frozen = frozen
-
-
-jax.tree_util.register_pytree_node(
-    _Group,
-    lambda g: ((g.state,), (g.rule, g.n, g.frozen)),
-    lambda aux, children: _Group(aux[0], next(iter(children)), aux[1], aux[2]),
-)
-
-
-def _members(n: int) -> Any:
-    return lambda x: type(x) is list and len(x) == n
-
-
-def member_state(group: _Group, i: int) -> Any:
-    """Member `i`'s part of a group's optax state (shared scalars included)."""
-    is_members = _members(group.n)
-    return jax.tree_util.tree_map(
-        lambda x: x[i] if is_members(x) else x, group.state, is_leaf=is_members
+    __slots__ = (
+        "_hash",
+        "_layout",
+        "_masks",
+        "_names",
+        "_paths",
+        "_pinned",
+        "avals",
+        "first",
+        "frozen",
+        "kept",
+        "n",
+        "offsets",
+        "owner",
+        "parts",
+        "runs",
+        "slots",
+        "tied",
+        "tpos",
+        "treedef",
+        "tslot",
+        "updated",
     )
 
-
-def select(group: _Group, keep: Sequence[int]) -> _Group:
-    """A new group of the members `keep` (in that order), with their state."""
-    is_members = _members(group.n)
-    state = jax.tree_util.tree_map(
-        lambda x: [x[j] for j in keep] if is_members(x) else x, group.state, is_leaf=is_members
-    )
-    return _Group(group.rule, state, len(keep), group.frozen)
-
-
-class Leaf:
-    """The optimiser state of one parameter, as seen through `state.path.to.weight`.
-
-    `rule` is its optax rule, `state` its part of the optax state (the moments
-    for this array, and the counters it shares with the rest of its group),
-    `frozen` whether updates skip it.
-
-    Examples:
-        >>> import jax.numpy as jnp, optax, treegrad as tg
-        >>> state = tg.setup(optax.adam(1e-3), {"w": jnp.ones(3)})
-        >>> leaf = state["w"]
-        >>> leaf.state[0].mu.shape, int(leaf.state[0].count), leaf.frozen
-        ((3,), 0, False)
-    """
-
-    __slots__ = ("_root", "_slot")
-
-    def __init__(self, root: OptState, slot: _Slot):
-        self._root = root
-        self._slot = slot
-
-    @property
-    def _group(self) -> _Group:
-        return self._root.groups[self._slot.g]
-
-    @property
-    def rule(self) -> Any:
-        return self._group.rule
-
-    @property
-    def state(self) -> Any:
-        return member_state(self._group, self._slot.i)
-
-    @property
-    def frozen(self) -> bool:
-        return self._group.frozen
-
-    def __repr__(self) -> str:
-        return f"Leaf({_rule_name(self.rule)}{', frozen' if self.frozen else ''})"
-
-
-jax.tree_util.register_pytree_node(Leaf, lambda v: ((v.state,), None), lambda _, c: next(iter(c)))
-
-
-def _rule_name(rule: Any) -> str:
-    qual = getattr(getattr(rule, "init", None), "__qualname__", "") or ""
-    return qual.split(".<locals>")[0] if qual else type(rule).__name__
-
-
-class _View:
-    """Navigation shared by `OptState` and its sub-states."""
-
-    __slots__ = ("_node", "_path", "_root")
-
-    def __init__(self, root: OptState | None, node: Any, path: tuple[Any, ...]):
-        object.__setattr__(self, "_root", root)
-        object.__setattr__(self, "_node", node)
-        object.__setattr__(self, "_path", path)
-
-    def _r(self) -> OptState:
-        return self if self._root is None else self._root  # type: ignore[return-value]
-
-    def _wrap(self, value: Any, key: Any) -> Any:
-        if value is None or value is NOSLOT:
-            return None
-        root = self._r()
-        if isinstance(value, _Slot):
-            return root.leaf_view(value)
-        return SubState(root, value, (*self._path, key))
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        node = self._r().resolve(self._path)
-        try:
-            value = getattr(node, name)
-        except AttributeError:
-            raise AttributeError(
-                f"the optimiser state has no '{name}' here; it mirrors the model, whose "
-                f"{type(node).__name__} has no child '{name}'"
-            ) from None
-        return self._wrap(value, jax.tree_util.GetAttrKey(name))
-
-    def __getitem__(self, key: Any) -> Any:
-        node = self._r().resolve(self._path)
-        value = node[key]
-        if isinstance(key, slice):
-            raise TypeError("index the optimiser state one element at a time")
-        k = jax.tree_util.DictKey(key) if isinstance(node, dict) else jax.tree_util.SequenceKey(key)
-        return self._wrap(value, k)
-
-    def __setitem__(self, key: Any, other: OptState) -> None:
-        self._r().graft(self._path, key, other, attr=False)
-
-    def __setattr__(self, name: str, other: Any) -> None:
-        self._r().graft(self._path, name, other, attr=True)
-
-    def slots(self) -> list[_Slot]:
-        """Every slot under this (sub-)state, each once."""
-        node = self._r().resolve(self._path)
-        seen: dict[_Slot, None] = {}
-        for leaf in jax.tree_util.tree_leaves(node):
-            if isinstance(leaf, _Slot):
-                seen[leaf] = None
-        return list(seen)
-
-    def __repr__(self) -> str:
-        node = self._r().resolve(self._path)
-        name = type(node).__name__
-        return f"<optimiser state of {name} at '{_dotted(self._path) or '<root>'}'>"
-
-
-def _dotted(path: tuple[Any, ...]) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator=".")
-
-
-class SubState(_View):
-    """The optimiser state of a sub-model (`state.l1`, `state[0]`): a view of its root."""
-
-    __slots__ = ()
-
-
-class OptState(_View):
-    """The optimiser state of a model, from `tg.setup`; navigate it like the model.
-
-    A pytree (its arrays are the optax states of its groups), so it can be
-    passed through `tg.jit`, saved with `tg.save` and restored with `tg.load`.
-
-    Examples:
-        >>> import jax, optax, treegrad as tg
-        >>> from treegrad import nn
-        >>> k1, k2 = jax.random.split(jax.random.key(0))
-        >>> model = nn.Chain(nn.Dense(2, 3, key=k1), nn.Dense(3, 1, key=k2))
-        >>> state = tg.setup(optax.adam(1e-3), model)
-        >>> state[1].bias
-        Leaf(chain)
-        >>> len(jax.tree_util.tree_leaves(state))  # one count, and mu and nu per array
-        9
-    """
-
-    __slots__ = ("_aux", "_cache", "_layout", "_slots", "_treedef", "groups")
-
-    def __init__(self, groups: list[_Group], treedef: Any, slots: tuple[_Slot | None, ...]):
-        super().__init__(None, None, ())
-        object.__setattr__(self, "groups", groups)
-        object.__setattr__(self, "_treedef", treedef)
-        object.__setattr__(self, "_slots", slots)
-        object.__setattr__(self, "_layout", None)
-        object.__setattr__(self, "_cache", {})
-        object.__setattr__(self, "_aux", None)
-
-    # --- layout -------------------------------------------------------------
-    @property
-    def layout(self) -> Any:
-        if self._layout is None:
-            leaves = [NOSLOT if s is None else s for s in self._slots]
-            object.__setattr__(self, "_layout", jax.tree_util.tree_unflatten(self._treedef, leaves))
-        return self._layout
-
-    def resolve(self, path: tuple[Any, ...]) -> Any:
-        node = self.layout
-        for key in path:
-            if isinstance(key, jax.tree_util.GetAttrKey):
-                node = getattr(node, key.name)
-            elif isinstance(key, jax.tree_util.DictKey):
-                node = node[key.key]
-            else:
-                node = node[key.idx]
-        return node
-
-    def leaf_view(self, slot: _Slot) -> Leaf:
-        view = self._cache.get(slot)
-        if view is None:
-            view = self._cache[slot] = Leaf(self, slot)
-        return view
-
-    # --- changing the groups --------------------------------------------------
-    def replace(self, groups: list[_Group], slots: tuple[_Slot | None, ...]) -> None:
-        """Install new groups and slots in place (the layout's structure is unchanged)."""
-        object.__setattr__(self, "groups", groups)
-        object.__setattr__(self, "_slots", slots)
-        object.__setattr__(self, "_layout", None)
-        object.__setattr__(self, "_cache", {})
-
-    def copy(self) -> OptState:
-        return OptState(list(self.groups), self._treedef, self._slots)
-
-    def graft(self, path: tuple[Any, ...], key: Any, other: Any, *, attr: bool) -> None:
-        """Put another state (for the sub-model at `path`/`key`) in place of the current one."""
-        if not isinstance(other, OptState):
-            raise TypeError(
-                "assign a state from tg.setup to a sub-state, e.g. "
-                "state.l1 = tg.setup(optax.sgd(1e-3), model.l1)"
-            )
-        offset = len(self.groups)
-        sub = jax.tree_util.tree_unflatten(
-            other._treedef,
-            [NOSLOT if s is None else _Slot(s.g + offset, s.i) for s in other._slots],
-        )
-        layout = self.layout
-        parent = self.resolve(path)
-        if attr:
-            setattr(parent, key, sub)
-        else:
-            parent[key] = sub
-        leaves, treedef = jax.tree_util.tree_flatten(layout)
-        groups, slots = compact(
-            [*self.groups, *other.groups], [None if x is NOSLOT else x for x in leaves]
-        )
-        object.__setattr__(self, "_treedef", treedef)
-        self.replace(groups, slots)
-
-    def __iter__(self) -> Iterator[Any]:
-        raise TypeError("iterate over the model, and index the state with the same keys")
-
-
-def compact(
-    groups: list[_Group], slots: Sequence[_Slot | None]
-) -> tuple[list[_Group], tuple[_Slot | None, ...]]:
-    """Drop groups and members no slot refers to; renumber the slots."""
-    used: dict[int, dict[int, None]] = {}
-    for s in slots:
-        if s is not None:
-            used.setdefault(s.g, {})[s.i] = None
-    new_groups: list[_Group] = []
-    remap: dict[tuple[int, int], _Slot] = {}
-    for g, members in sorted(used.items()):
-        keep = sorted(members)
-        group = groups[g]
-        new_groups.append(group if keep == list(range(group.n)) else select(group, keep))
-        for new_i, old_i in enumerate(keep):
-            remap[(g, old_i)] = _Slot(len(new_groups) - 1, new_i)
-    return new_groups, tuple(None if s is None else remap[(s.g, s.i)] for s in slots)
-
-
-def split(
-    groups: list[_Group], slots: Sequence[_Slot | None], chosen: set[_Slot], **change: Any
-) -> tuple[list[_Group], tuple[_Slot | None, ...]]:
-    """Move the `chosen` members of each group into a group of their own.
-
-    `change` sets attributes of the new groups (e.g. `frozen=True`). Groups all
-    of whose members are chosen are changed whole, without splitting.
-    """
-    by_group: dict[int, list[int]] = {}
-    for s in chosen:
-        by_group.setdefault(s.g, []).append(s.i)
-    new_groups = list(groups)
-    remap: dict[tuple[int, int], _Slot] = {}
-    for g, picked in by_group.items():
-        group = groups[g]
-        picked.sort()
-        if len(picked) == group.n:
-            new_groups[g] = _changed(group, change)
-            continue
-        rest = [i for i in range(group.n) if i not in set(picked)]
-        new_groups[g] = select(group, rest)
-        for new_i, old_i in enumerate(rest):
-            remap[(g, old_i)] = _Slot(g, new_i)
-        new_groups.append(_changed(select(group, picked), change))
-        for new_i, old_i in enumerate(picked):
-            remap[(g, old_i)] = _Slot(len(new_groups) - 1, new_i)
-    return new_groups, tuple(None if s is None else remap.get((s.g, s.i), s) for s in slots)
-
-
-def _changed(group: _Group, change: dict[str, Any]) -> _Group:
-    new = _Group(group.rule, group.state, group.n, group.frozen)
-    for k, v in change.items():
-        if k == "new_state":
-            new.state = v(group)
-        else:
-            setattr(new, k, v)
-    return new
-
-
-class _StateAux:
-    """An OptState's static data as treedef aux: hashed once, compared by identity first.
-
-    Hashing the slots costs a Python call per parameter; a training loop passes
-    the same layout every step, so `update` hands the previous step's aux on.
-    """
-
-    __slots__ = ("_hash", "meta", "slots", "treedef")
-
-    def __init__(self, treedef: Any, slots: tuple[Any, ...], meta: tuple[Any, ...]):
+    def __init__(
+        self,
+        treedef: Any,
+        slots: tuple[int, ...],
+        parts: tuple[_Part, ...],
+        owner: tuple[int, ...],
+        frozen: frozenset[int],
+        tied: bool,
+        avals: tuple[tuple[tuple[int, ...], Any], ...],
+        like: _Config | None = None,
+    ):
         self.treedef = treedef
+        # Shape and dtype of each parameter: to check an assigned sub-state.
+        # Not part of the hash: the compiled step is keyed on its inputs' shapes anyway.
+        self.avals = avals
         self.slots = slots
-        self.meta = meta
-        self._hash = hash((treedef, slots, meta))
+        self.parts = parts
+        self.owner = owner
+        self.frozen = frozen
+        self.tied = tied
+        self.n = len(owner)
+        self.tpos = tuple(p for p, s in enumerate(slots) if s >= 0)
+        self.tslot = tuple(slots[p] for p in self.tpos)
+        first = [-1] * self.n
+        for p, s in zip(self.tpos, self.tslot, strict=True):
+            if first[s] < 0:
+                first[s] = p
+        self.first = tuple(first)
+        self.updated = tuple(i for i in range(self.n) if i not in frozen)
+        self.kept = tuple(i for i in range(self.n) if i in frozen)
+        self.runs = tuple(any(owner[i] == k for i in self.updated) for k in range(len(parts)))
+        offsets = [0]
+        for part in parts:
+            offsets.append(offsets[-1] + part.state_def.num_leaves)
+        self.offsets = tuple(offsets)
+        self._hash = hash((treedef, slots, parts, owner, frozen, tied))
+        self._layout: Any = None
+        self._paths: list[str] | None = None
+        self._pinned: list[int] | None = None
+        if like is not None and like.treedef is treedef:
+            self._layout, self._paths, self._pinned = like._layout, like._paths, like._pinned
+        self._names: list[str] | None = None
+        self._masks: dict[tuple[int, ...], list[Any]] = {}
+
+    def replaced(self, **change: Any) -> _Config:
+        """A new config with some fields changed (the model-derived caches carried over)."""
+        keys = ("slots", "parts", "owner", "frozen", "tied", "avals")
+        fields = {k: getattr(self, k) for k in keys}
+        fields.update(change)
+        return _Config(self.treedef, **fields, like=self)
 
     def __hash__(self) -> int:
         return self._hash
@@ -398,68 +159,399 @@ class _StateAux:
         if self is other:
             return True
         return (
-            isinstance(other, _StateAux)
+            isinstance(other, _Config)
             and self._hash == other._hash
             and self.slots == other.slots
-            and self.meta == other.meta
+            and self.owner == other.owner
+            and self.frozen == other.frozen
+            and self.tied == other.tied
+            and self.parts == other.parts
             and self.treedef == other.treedef
         )
 
+    # --- derived lazily: only views, errors and checkpoints need these --------------
+    @property
+    def layout(self) -> Any:
+        """The model's shape with a `_Pos` at every leaf: what `state.l1[0]` navigates."""
+        if self._layout is None:
+            n = self.treedef.num_leaves
+            self._layout = self.treedef.unflatten([_Pos(p) for p in range(n)])
+        return self._layout
 
-def _aux_of(s: OptState) -> _StateAux:
-    aux = s._aux
-    meta = tuple((g.rule, g.n, g.frozen) for g in s.groups)
-    if (
-        aux is None
-        or aux.slots is not s._slots
-        or aux.treedef is not s._treedef
-        or aux.meta != meta
-    ):
-        aux = _StateAux(s._treedef, s._slots, meta)
-        object.__setattr__(s, "_aux", aux)
-    return aux
+    @property
+    def paths(self) -> list[str]:
+        """The dotted model path of every leaf position."""
+        if self._paths is None:
+            flat = jax.tree_util.tree_flatten_with_path(self.layout)[0]
+            self._paths = [path_str(path) or "<root>" for path, _ in flat]
+        return self._paths
+
+    @property
+    def names(self) -> list[str]:
+        """Checkpoint name of every optax state leaf: the part's scope and the optax path.
+
+        The optax path holds the model path for per-parameter entries
+        (`0.mu.layers.0.weight`), and it depends only on the rules and the
+        model, never on what happened during training.
+        """
+        if self._names is None:
+            names: list[str] = []
+            scopes: dict[str, int] = {}
+            for part in self.parts:
+                seen = scopes[part.scope] = scopes.get(part.scope, 0) + 1
+                scope = part.scope if seen == 1 else f"{part.scope}#{seen}"
+                dummy = part.state_def.unflatten([0] * part.state_def.num_leaves)
+                for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]:
+                    inner = path_str(path)
+                    names.append(f"{scope}:{inner}" if scope else inner or "<root>")
+            self._names = names
+        return self._names
+
+    def present(self, missing: tuple[int, ...], tracing: bool) -> Any:
+        """A bool per trainable position, False where the gradient is `None` (cached).
+
+        Inside a trace it is a numpy array, which becomes a literal: a cached
+        device array would be a constant from outside the trace, which
+        `tg.jit` reports as a hidden capture.
+        """
+        masks = self._masks.get(missing)
+        if masks is None:
+            host = np.ones(len(self.tpos), dtype=bool)
+            host[list(missing)] = False
+            if len(self._masks) >= 64:
+                self._masks.clear()
+            masks = self._masks[missing] = [host, None]
+        if tracing:
+            return masks[0]
+        if masks[1] is None:
+            # One transfer per pattern rather than one per step.
+            masks[1] = jax.device_put(masks[0])
+        return masks[1]
+
+    def pinned(self, model: Any) -> list[int]:
+        """Trainable positions `tg.update_` cannot rebind: immutable containers up to the root."""
+        if self._pinned is None:
+            free = _rebindable(model)
+            self._pinned = [p for p in self.tpos if not free[p]]
+        return self._pinned
+
+    def path_of(self, node: Any) -> str:
+        """The dotted model path of a node of `layout` (found by identity)."""
+        if node is self.layout:
+            return ""
+
+        def find(at: Any, prefix: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            level = functor(at)
+            for key, child in level[0] if level else ():
+                if child is node:
+                    return (*prefix, key)
+                found = find(child, (*prefix, key))
+                if found is not None:
+                    return found
+            return None
+
+        return path_str(find(self.layout, ()) or ())
+
+    def positions(self, node: Any) -> list[int]:
+        """The leaf positions under a node of `layout`."""
+        return [x.p for x in jax.tree_util.tree_leaves(node) if isinstance(x, _Pos)]
+
+    def params_under(self, node: Any) -> list[int]:
+        """The distinct parameters under a node of `layout`."""
+        slots = self.slots
+        return list(dict.fromkeys(slots[p] for p in self.positions(node) if slots[p] >= 0))
 
 
-def _flatten_state(s: OptState) -> tuple[list[Any], _StateAux]:
-    return [g.state for g in s.groups], _aux_of(s)
+def _rebindable(model: Any) -> list[bool]:
+    """Per leaf position: whether a mutable container holds it, at some depth.
+
+    `tg.update_` rebuilds tuples on the way up to the nearest Module, list or
+    dict and rebinds there; a leaf with only tuples above it cannot be
+    updated in place. Checked before anything is rebound.
+    """
+    out: list[bool] = []
+
+    def go(node: Any, free: bool) -> None:
+        level = functor(node)
+        if level is None:
+            out.append(free)
+            return
+        children = level[0]
+        free = free or _mutable(node, children)
+        for _, child in children:
+            go(child, free)
+
+    go(model, False)
+    return out
 
 
-def _flatten_state_with_keys(s: OptState) -> tuple[list[tuple[Any, Any]], _StateAux]:
-    children, aux = _flatten_state(s)
-    return [(jax.tree_util.GetAttrKey(f"group{k}"), c) for k, c in enumerate(children)], aux
+def _mutable(node: Any, children: list[tuple[Any, Any]]) -> bool:
+    if isinstance(node, (Module, list, dict)):
+        return True
+    if isinstance(node, tuple) or node is None:
+        return False
+    # Foreign pytrees (an equinox Module) are rebound attribute by attribute.
+    return all(isinstance(k, jax.tree_util.GetAttrKey) for k, _ in children)
 
 
-def _unflatten_state(aux: _StateAux, children: Any) -> OptState:
-    groups = [
-        _Group(rule, st, n, frozen)
-        for (rule, n, frozen), st in zip(aux.meta, children, strict=True)
+# --- which optax state entries belong to which parameter ------------------------------
+
+
+def _is_hole(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _map_param_subtrees(
+    rule: Any, state: Any, fn: Callable[[Any], Any], shared: Callable[[Any], Any] | None
+) -> Any:
+    """`optax.tree_map_params`, with `fn` given each whole parameter-shaped subtree.
+
+    `shared` maps the other (shared) entries; None keeps them. Returns None
+    when optax cannot tell: `optax.flatten`'s init cannot take optax's
+    parameter placeholder ("Need at least one array to concatenate"), and its
+    state is over one vector, not per parameter anyway.
+    """
+    try:
+        return optax.tree_map_params(
+            rule, fn, state, is_leaf=lambda _: True, transform_non_params=shared
+        )
+    except (ValueError, TypeError):
+        return None
+
+
+def _statemap(rule: Any, state: Any, param_def: Any) -> tuple[int, ...]:
+    n_state = len(jax.tree_util.tree_leaves(state))
+    index = param_def.unflatten(range(param_def.num_leaves))
+
+    def positions(sub: Any) -> Any:
+        # optax.masked and multi_transform put MaskedNode where a parameter is
+        # not theirs: those entries have no state.
+        return jax.tree_util.tree_map(
+            lambda x, i: x if _is_hole(x) else i, sub, index, is_leaf=_is_hole
+        )
+
+    def shared(v: Any) -> Any:
+        return jax.tree_util.tree_map(lambda _: -1, v)
+
+    marked = _map_param_subtrees(rule, state, positions, shared)
+    leaves = [] if marked is None else jax.tree_util.tree_leaves(marked)
+    if len(leaves) != n_state or not all(isinstance(x, int) for x in leaves):
+        return (-1,) * n_state
+    return tuple(leaves)
+
+
+def param_state(part: _Part, state: Any, local: int) -> Any:
+    """One parameter's view of a part's optax state: its own entries and the shared ones.
+
+    Where the optax state holds a model-shaped tree (Adam's `mu`), the view
+    holds this parameter's array; `optax.MaskedNode()` where a masked rule
+    keeps nothing for it. The whole state for rules optax cannot map.
+    """
+    index = part.param_def.unflatten(range(part.param_def.num_leaves))
+
+    def pick(sub: Any) -> Any:
+        found: list[Any] = []
+        jax.tree_util.tree_map(
+            lambda x, i: found.append(x) if local in jax.tree_util.tree_leaves(i) else None,
+            sub,
+            index,
+            is_leaf=_is_hole,
+        )
+        return found[0] if found else optax.MaskedNode()
+
+    view = _map_param_subtrees(part.rule, state, pick, None)
+    return state if view is None else view
+
+
+# --- building and changing the configuration ------------------------------------------
+
+
+def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any], scope: str):
+    """Initialise `rule` on the trainable tree; returns the part and its state's leaves."""
+    seen: set[int] = set()
+    masked: list[Any] = []
+    leaf_ids: list[int] = []
+    for s, leaf in zip(slots, leaves, strict=True):
+        if s >= 0 and s not in seen:
+            seen.add(s)
+            leaf_ids.append(s)
+            masked.append(leaf)
+        else:
+            masked.append(None)
+    tree = treedef.unflatten(masked)
+    param_def = jax.tree_util.tree_structure(tree)
+    state = rule.init(tree)
+    state_leaves, state_def = jax.tree_util.tree_flatten(state)
+    part = _Part(
+        rule, state_def, param_def, tuple(leaf_ids), _statemap(rule, state, param_def), scope
+    )
+    return part, state_leaves
+
+
+def trainable_slots(model: Any) -> tuple[list[Any], Any, list[int], list[Any]]:
+    """Flatten `model` and number its distinct trainable arrays.
+
+    Returns `(leaves, treedef, slots, uniq)`: `slots[p]` is the index in
+    `uniq` of the array at leaf position `p` (the same for every place of a
+    tied array), or -1 where the optimiser does not train the leaf.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    trainable = {
+        id(leaf) for _, leaf in trainable_leaves_with_path(model) if is_differentiable(leaf)
+    }
+    tpos = [p for p, leaf in enumerate(leaves) if id(leaf) in trainable]
+    uniq, tslots = unique_by_id(leaves[p] for p in tpos)
+    slots = [-1] * len(leaves)
+    for p, s in zip(tpos, tslots, strict=True):
+        slots[p] = s
+    return leaves, treedef, slots, uniq
+
+
+def build(rule: Any, model: Any) -> tuple[_Config, list[Any]]:
+    """The configuration and optax state arrays of `tg.setup(rule, model)`."""
+    leaves, treedef, slots, uniq = trainable_slots(model)
+    parts: tuple[_Part, ...] = ()
+    state_leaves: list[Any] = []
+    if uniq:
+        part, state_leaves = new_part(rule, treedef, slots, leaves, "")
+        parts = (part,)
+    tied = len(unique_by_id(leaves)[0]) < len(leaves)
+    avals = tuple((tuple(x.shape), x.dtype) for x in uniq)
+    config = _Config(treedef, tuple(slots), parts, (0,) * len(uniq), frozenset(), tied, avals)
+    return config, state_leaves
+
+
+def _aval(aval: tuple[tuple[int, ...], Any]) -> str:
+    shape, dtype = aval
+    return f"{dtype}[{'×'.join(map(str, shape))}]" if shape else f"{dtype} scalar"
+
+
+def _join(scope: str, inner: str) -> str:
+    return f"{scope}.{inner}" if scope and inner else scope or inner
+
+
+def graft(
+    config: _Config, leaves: Sequence[Any], node: Any, sub: _Config, sub_leaves: Sequence[Any]
+) -> tuple[_Config, list[Any]]:
+    """Give the sub-model at `node` the rules and state of `sub` (a setup of that sub-model)."""
+    scope = config.path_of(node)
+    where = scope or "<root>"
+    if jax.tree_util.tree_structure(node) != sub.treedef:
+        at = first_difference(node, sub.treedef.unflatten([0] * sub.treedef.num_leaves))
+        raise ValueError(
+            f"the state assigned to '{where}' was set up for a different model"
+            f"{f' (first difference at {at!r})' if at else ''}; build it with "
+            "tg.setup(rule, sub_model) from the sub-model at that place."
+        )
+    remap: dict[int, int] = {}
+    back: dict[int, int] = {}
+    for q, p in enumerate(config.positions(node)):
+        s, r = sub.slots[q], config.slots[p]
+        if (s < 0) != (r < 0) or (
+            s >= 0 and (remap.setdefault(s, r) != r or back.setdefault(r, s) != s)
+        ):
+            raise ValueError(
+                f"the state assigned to '{where}' does not match the model there: at "
+                f"'{config.paths[p]}' its trainable or tied arrays differ. Build it with "
+                "tg.setup(rule, sub_model) from the sub-model at that place."
+            )
+        if s >= 0 and sub.avals[s] != config.avals[r]:
+            raise ValueError(
+                f"the state assigned to '{where}' was set up for a {_aval(sub.avals[s])} array "
+                f"at '{config.paths[p]}', where the model has {_aval(config.avals[r])}. Build "
+                "it with tg.setup(rule, sub_model) from the sub-model at that place."
+            )
+    base = len(config.parts)
+    parts = [
+        *config.parts,
+        *(
+            part._replace(
+                leaf_ids=tuple(remap[i] for i in part.leaf_ids),
+                scope=_join(scope, part.scope),
+            )
+            for part in sub.parts
+        ),
     ]
-    state = OptState(groups, aux.treedef, aux.slots)
-    object.__setattr__(state, "_aux", aux)
-    return state
+    owner = list(config.owner)
+    frozen = set(config.frozen)
+    for s, r in remap.items():
+        owner[r] = base + sub.owner[s]
+        frozen.discard(r)
+        if s in sub.frozen:
+            frozen.add(r)
+    per_part = [*split_leaves(config, leaves), *split_leaves(sub, sub_leaves)]
+    new, new_leaves, _ = _drop_unowned(config, parts, owner, frozenset(frozen), per_part)
+    return new, new_leaves
 
 
-jax.tree_util.register_pytree_with_keys(
-    OptState, _flatten_state_with_keys, _unflatten_state, flatten_func=_flatten_state
-)
+def split_leaves(config: _Config, leaves: Sequence[Any]) -> list[list[Any]]:
+    """The optax state leaves of each part."""
+    o = config.offsets
+    return [list(leaves[o[k] : o[k + 1]]) for k in range(len(config.parts))]
 
 
-def build(rule: Any, leaves: list[Any], trainable: set[int], treedef: Any) -> OptState:
-    """The state for a model flattened to `leaves`: one group of its distinct trainable arrays."""
-    index: dict[int, int] = {}
-    members: list[Any] = []
-    slots: list[_Slot | None] = []
-    for leaf in leaves:
-        if id(leaf) not in trainable:
-            slots.append(None)
+def _drop_unowned(
+    config: _Config,
+    parts: list[_Part],
+    owner: list[int],
+    frozen: frozenset[int],
+    per_part: list[list[Any]],
+) -> tuple[_Config, list[Any], dict[int, int]]:
+    """Drop the parts that own no parameter; returns the new part numbers too."""
+    keep = sorted(set(owner))
+    renumber = {k: j for j, k in enumerate(keep)}
+    new = config.replaced(
+        parts=tuple(parts[k] for k in keep),
+        owner=tuple(renumber[k] for k in owner),
+        frozen=frozen,
+    )
+    return new, [x for k in keep for x in per_part[k]], renumber
+
+
+def with_frozen(config: _Config, chosen: Iterable[int], frozen: bool) -> _Config:
+    chosen = set(chosen)
+    return config.replaced(
+        frozen=frozenset(config.frozen | chosen if frozen else config.frozen - chosen)
+    )
+
+
+def own_part(
+    config: _Config, leaves: Sequence[Any], chosen: Sequence[int], scope: str
+) -> tuple[_Config, list[Any], list[int]]:
+    """Make sure the parameters `chosen` are the whole of the parts owning them.
+
+    A part that also owns other parameters is copied (rule and optax state,
+    moments included) into a new part owning the chosen ones, named by
+    `scope`; the original keeps the rest. Returns the config, the leaves and
+    the parts that own exactly the chosen parameters.
+    """
+    chosen_set = set(chosen)
+    parts = list(config.parts)
+    owner = list(config.owner)
+    per_part = split_leaves(config, leaves)
+    result: list[int] = []
+    for k in sorted({owner[i] for i in chosen}):
+        mine = {i for i in range(config.n) if owner[i] == k}
+        if mine <= chosen_set:
+            result.append(k)
             continue
-        i = index.get(id(leaf))
-        if i is None:
-            i = index[id(leaf)] = len(members)
-            members.append(leaf)
-        slots.append(_Slot(0, i))
-    groups = [_Group(rule, rule.init(members), len(members))] if members else []
-    return OptState(groups, treedef, tuple(slots))
+        parts.append(parts[k]._replace(scope=scope))
+        # Copies, so that no buffer is held twice in one state (donation would fail).
+        per_part.append([jnp.array(x, copy=True) for x in per_part[k]])
+        for i in mine & chosen_set:
+            owner[i] = len(parts) - 1
+        result.append(len(parts) - 1)
+    new, new_leaves, renumber = _drop_unowned(config, parts, owner, config.frozen, per_part)
+    return new, new_leaves, [renumber[k] for k in result]
 
 
-__all__ = ["Leaf", "OptState", "SubState", "build", "compact", "member_state", "split"]
+__all__ = [
+    "build",
+    "graft",
+    "new_part",
+    "own_part",
+    "param_state",
+    "split_leaves",
+    "trainable_slots",
+    "with_frozen",
+]

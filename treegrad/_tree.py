@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -65,3 +66,103 @@ def first_difference(a: Any, b: Any) -> str | None:
         longer = pa if len(pa) > len(pb) else pb
         return path_str(longer[min(len(pa), len(pb))][0]) or "<root>"
     return None
+
+
+def unique_by_id(items: Iterable[Any]) -> tuple[list[Any], list[int]]:
+    """De-duplicate objects by identity: a tied weight is one object at several places.
+
+    Arguments:
+        items: any objects (typically the leaves of a flattened model).
+
+    Returns:
+        `(uniq, slots)`: the distinct objects in first-seen order, and for each
+        item the index of its object in `uniq`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from treegrad._tree import unique_by_id
+        >>> w, b = jnp.ones(2), jnp.zeros(2)
+        >>> uniq, slots = unique_by_id([w, b, w])
+        >>> len(uniq), slots
+        (2, [0, 1, 0])
+    """
+    index: dict[int, int] = {}
+    uniq: list[Any] = []
+    slots: list[int] = []
+    for x in items:
+        i = index.get(id(x))
+        if i is None:
+            i = index[id(x)] = len(uniq)
+            uniq.append(x)
+        slots.append(i)
+    return uniq, slots
+
+
+def functor(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]] | None:
+    """One level of a pytree, like Functors.jl's `functor`: its children and how to rebuild it.
+
+    Arguments:
+        node: any pytree node (a Module, list, dict, tuple, foreign pytree) or leaf.
+
+    Returns:
+        `None` for a leaf; otherwise `(children, rebuild)`, where `children`
+        lists `(key, child)` pairs (keys as in `jax.tree_util` key paths) and
+        `rebuild(new_children)` builds a node of the same type and static data.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from treegrad._tree import functor
+        >>> children, rebuild = functor({"w": jnp.ones(2), "n": 3})
+        >>> [str(k) for k, _ in children]
+        ["['n']", "['w']"]
+        >>> rebuild([4, 5])
+        {'n': 4, 'w': 5}
+        >>> functor(jnp.ones(2)) is None
+        True
+    """
+    pairs, treedef_ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    treedef: Any = treedef_
+    # A leaf has one node and one leaf; `None` and empty containers (one node,
+    # no leaf) are nodes, rebuilt as new objects.
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return None
+    return [(path[0], child) for path, child in pairs], treedef.unflatten
+
+
+def tree_map_shared(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`jax.tree_util.tree_map(fn, tree)` that keeps sharing: each object is rebuilt once.
+
+    A sub-model held at two places (the same Module object twice) comes back
+    as one new object held at both places, and a leaf object found at several
+    places is mapped once, so tied weights stay tied. `jax.tree_util`'s
+    flatten/unflatten round trip would build two copies of a shared node.
+
+    Arguments:
+        fn: applied to every leaf (`None` counts as a leaf).
+        tree: any pytree.
+
+    Returns:
+        A new tree of the same structure and the same sharing.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from treegrad._tree import tree_map_shared
+        >>> block = {"w": jnp.ones(2)}
+        >>> out = tree_map_shared(lambda x: x * 2, {"a": block, "b": block})
+        >>> out["a"] is out["b"], out["a"]["w"]
+        (True, Array([2., 2.], dtype=float32))
+    """
+    # Keyed by id, holding the node too: a foreign pytree may flatten to
+    # temporary children, whose ids could otherwise be reused mid-walk.
+    memo: dict[int, tuple[Any, Any]] = {}
+
+    def go(node: Any) -> Any:
+        done = memo.get(id(node))
+        if done is not None:
+            return done[1]
+        level = functor(node)
+        out = fn(node) if level is None else level[1]([go(child) for _, child in level[0]])
+        memo[id(node)] = (node, out)
+        return out
+
+    return go(tree)

@@ -1,0 +1,151 @@
+"""The optimiser's compiled step: every rule's `update`, in one XLA computation.
+
+Per step: sum a tied array's gradients over its places, give the rule zeros
+where a gradient is `None`, run `rule.update` on the tree `rule.init` saw, then
+keep the old value and the own optax state entries (found once per rule with
+`optax.tree_map_params`, see `_optstate._Part.statemap`) of every skipped
+parameter; shared entries such as optax's `count` advance as in optax.
+
+Which gradients are `None` is an input (a bool per place), not part of the
+cache key, so a step with `None` gradients does not re-trace; which parameters
+are frozen or belong to another rule is static (the `_Config`). Shapes and
+dtypes are checked while tracing, which costs nothing on later calls: the
+cache is keyed on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._optstate import _Config
+from ._optview import rule_name
+from ._tree import describe_leaf
+
+
+class BadGradient(ValueError):
+    """A gradient's shape or dtype does not fit its parameter (found while tracing)."""
+
+
+def _gradient_problem(param: Any, g: Any) -> str | None:
+    expected, got = describe_leaf(param), describe_leaf(g)
+    if not jnp.issubdtype(g.dtype, jnp.inexact):
+        return (
+            f"has dtype {g.dtype} (expected {expected}, got {got}); gradients are floating "
+            "point: take them with tg.gradient of this model."
+        )
+    if jnp.issubdtype(g.dtype, jnp.complexfloating) and not jnp.issubdtype(
+        param.dtype, jnp.complexfloating
+    ):
+        return (
+            f"is complex but its parameter is real (expected {expected}, got {got}); the "
+            "imaginary part would be silently dropped. Pass jnp.real(g) if that is what you mean."
+        )
+    if g.shape != param.shape:
+        return (
+            f"has shape {g.shape} but its parameter has shape {param.shape} (expected "
+            f"{expected}, got {got}); a gradient must have its parameter's shape and is never "
+            "broadcast: take it with tg.gradient of this model."
+        )
+    return None
+
+
+def _step_impl(
+    config: _Config,
+    states: tuple[Any, ...],
+    updated: tuple[Any, ...],
+    kept: tuple[Any, ...],
+    grads: tuple[Any, ...],
+    present: Any,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """One optimiser step for every part, in one XLA computation.
+
+    `updated`/`kept` are the distinct parameters that may change / are frozen
+    (separate so that only the former are donated); `grads` has one gradient
+    per trainable place, a placeholder where `present` is False.
+    """
+    params: list[Any] = [None] * config.n
+    for i, x in zip(config.updated + config.kept, updated + kept, strict=True):
+        params[i] = x
+    for p, i, g in zip(config.tpos, config.tslot, grads, strict=True):
+        problem = _gradient_problem(params[i], g)
+        if problem:
+            raise BadGradient(f"the gradient at '{config.paths[p]}' {problem}")
+    total, seen = _sum_over_places(config, grads, present)
+    new_states = list(states)
+    new_params: dict[int, Any] = {}
+    for k in range(len(config.parts)):
+        if config.runs[k]:
+            lo, hi = config.offsets[k], config.offsets[k + 1]
+            new_states[lo:hi] = _part_step(
+                config, k, states[lo:hi], params, total, seen, new_params
+            )
+    return tuple(new_states), tuple(new_params[i] for i in config.updated)
+
+
+def _sum_over_places(
+    config: _Config, grads: tuple[Any, ...], present: Any
+) -> tuple[list[Any], list[Any]]:
+    """Per parameter: its gradient summed over its places (zeros where absent), and
+    whether any place had one."""
+    total: list[Any] = [None] * config.n
+    seen: list[Any] = [None] * config.n
+    for k, (i, g) in enumerate(zip(config.tslot, grads, strict=True)):
+        here = present[k]
+        g = jnp.where(here, g, jnp.zeros_like(g))
+        total[i] = g if total[i] is None else total[i] + g
+        seen[i] = here if seen[i] is None else seen[i] | here
+    return total, seen
+
+
+def _part_step(
+    config: _Config,
+    k: int,
+    old: tuple[Any, ...],
+    params: list[Any],
+    total: list[Any],
+    seen: list[Any],
+    new_params: dict[int, Any],
+) -> list[Any]:
+    """Part `k`'s `rule.update` on its tree; the new values of its parameters go to
+    `new_params`. Returns its new optax state leaves."""
+    part = config.parts[k]
+    # Parameters of this tree that another part owns, or that are frozen, are
+    # skipped statically; those without a gradient this step, dynamically.
+    mine = [config.owner[i] == k and i not in config.frozen for i in part.leaf_ids]
+    p_leaves = [params[i] for i in part.leaf_ids]
+    g_leaves = [
+        total[i] if m else jnp.zeros_like(params[i])
+        for i, m in zip(part.leaf_ids, mine, strict=True)
+    ]
+    updates, state = part.rule.update(
+        part.param_def.unflatten(g_leaves),
+        part.state_def.unflatten(old),
+        part.param_def.unflatten(p_leaves),
+    )
+    new, new_def = jax.tree_util.tree_flatten(state)
+    if new_def != part.state_def:
+        raise TypeError(
+            f"the optax rule {rule_name(part.rule)} returned a state of another structure "
+            "than its init gave; treegrad needs the structure to stay fixed."
+        )
+    # Skipped parameters keep their own state entries; shared ones (count) advance.
+    for j, local in enumerate(part.statemap):
+        if local >= 0:
+            i = part.leaf_ids[local]
+            new[j] = jnp.where(seen[i], new[j], old[j]) if mine[local] else old[j]
+    u_leaves = part.param_def.flatten_up_to(updates)
+    for local, (i, p, u) in enumerate(zip(part.leaf_ids, p_leaves, u_leaves, strict=True)):
+        if mine[local]:
+            new_params[i] = jnp.where(seen[i], optax.apply_updates(p, u), p)
+    return new
+
+
+step = jax.jit(_step_impl, static_argnums=0)
+# The parameters that may change and the optax state: each array appears once
+# (tied weights are one parameter; split parts hold copies), so no buffer is
+# donated twice.
+step_donating = jax.jit(_step_impl, static_argnums=0, donate_argnums=(1, 2))
