@@ -113,12 +113,17 @@ def reached(closed: Any, source: int) -> set[int]:
     """
     jaxpr = _inner(closed)
     tainted = _reach(jaxpr, {jaxpr.invars[source]})
-    return {i for i, v in enumerate(jaxpr.outvars) if v in tainted}
+    return {i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and v in tainted}
+
+
+def _is_var(v: Any) -> bool:
+    # Literals (constants written into the jaxpr) are unhashable and never depend on inputs.
+    return isinstance(v, jex.Var) and not isinstance(v, jex.Literal)
 
 
 def _reach(jaxpr: Any, tainted: set[Any]) -> set[Any]:
     for eqn in jaxpr.eqns:
-        hit = [isinstance(v, jex.Var) and v in tainted for v in eqn.invars]
+        hit = [_is_var(v) and v in tainted for v in eqn.invars]
         if not any(hit):
             continue
         sub = eqn.params.get("jaxpr")
@@ -126,7 +131,9 @@ def _reach(jaxpr: Any, tainted: set[Any]) -> set[Any]:
             inner = _inner(sub)
             inner_tainted = _reach(inner, {v for v, h in zip(inner.invars, hit, strict=True) if h})
             tainted.update(
-                o for o, io in zip(eqn.outvars, inner.outvars, strict=True) if io in inner_tainted
+                o
+                for o, io in zip(eqn.outvars, inner.outvars, strict=True)
+                if _is_var(io) and io in inner_tainted
             )
         else:
             tainted.update(eqn.outvars)
