@@ -10,8 +10,9 @@ reads two things off the result that no public API gives:
 
 It then evaluates the staged jaxpr with `jax.extend.core.jaxpr_as_fun`, so the
 user's Python runs once per trace. `tests/test_jaxpr.py` pins each of these
-behaviours and fails loudly if a JAX upgrade changes them (jax 0.11 merges
-`ClosedJaxpr` into `Jaxpr`).
+behaviours and fails loudly if a JAX upgrade changes them. They hold on jax 0.10
+to 0.12: from 0.11 on, `ClosedJaxpr` is an alias of `Jaxpr` that keeps the old
+attributes (`.jaxpr`, `.consts`; marked for removal), so one code path serves both.
 """
 
 from __future__ import annotations
