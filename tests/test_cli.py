@@ -78,9 +78,12 @@ def test_help_shows_defaults_and_that_plot_takes_minutes(capsys):
     assert "(default: 200)" in out and "(default: 5)" in out and "(default: tiny,deep)" in out
     assert "from: tiny, deep, wide" in out
     assert "takes several minutes" in out and "prints progress" in out
+    assert "(default: no sweep)" in out and "(default: )" not in out
     with pytest.raises(SystemExit):
         _cli.main(["demo", "--help"])
-    assert "(default: 20)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(default: 20)" in out and "(default: treegrad-demo.png)" in out
+    assert "(default: False)" not in out
 
 
 def test_console_script_help():

@@ -32,9 +32,18 @@ def _sizes(text: str) -> list[str]:
     return names
 
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, except where it is off (False, '')."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command-line parser (defaults are shown in every `--help`)."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _ShowDefaults
     top = argparse.ArgumentParser(prog="treegrad", description=__doc__, formatter_class=fmt)
     sub = top.add_subparsers(dest="command", required=True)
 
@@ -53,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
         "bench",
         help="per-step time against hand-written JAX",
         description="One Adam step of an MLP per system, side by side with hand-written JAX "
-        "(and equinox, flax, PyTorch when installed). Takes about a minute per size.",
+        "(and equinox, flax, PyTorch when installed).",
         formatter_class=fmt,
     )
     bench.add_argument(
@@ -72,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="PNG",
         help="also run a sweep over 10 to 1,000 parameter arrays (takes several minutes; "
         "prints progress) and write a plot of each treegrad loop's time per step over "
-        "hand-written JAX to this file ('' for no sweep)",
+        "hand-written JAX to this file (default: no sweep)",
     )
     return top
 
