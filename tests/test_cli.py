@@ -1,7 +1,11 @@
-"""The command line: the main job and the benchmark smoke run."""
+"""The command line: the main job, argument checks, the benchmark smoke run and its plot."""
 
+import re
 import subprocess
 import sys
+
+import matplotlib.figure
+import pytest
 
 from treegrad import _bench, _cli
 
@@ -21,6 +25,7 @@ def test_demo_quick_agrees_and_writes_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # 10.7 s on a quiet 2-core machine: compiles every system and the anchors
 def test_bench_smoke_prints_every_column(capsys):
     assert _bench.main(steps=2, repeats=1, sizes=["tiny"]) == 0
     out = capsys.readouterr().out
@@ -37,6 +42,50 @@ def test_bench_smoke_prints_every_column(capsys):
     assert "first call" in out
 
 
+def test_cli_size_names_are_the_benchmark_sizes():
+    assert tuple(_bench.SIZES) == _cli.BENCH_SIZES
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["bench", "--sizes", "huge"], r"--sizes: unknown size 'huge': choose one or more of "),
+        (["bench", "--sizes", "tiny,huge"], r"unknown size 'huge'.*tiny, deep, wide"),
+        (["bench", "--sizes", ","], r"--sizes: unknown size ','"),
+        (["bench", "--steps", "0"], r"--steps: must be at least 1, got 0"),
+        (["bench", "--repeats", "two"], r"--repeats: expected a whole number, got 'two'"),
+        (["demo", "--epochs", "-1"], r"--epochs: must be at least 1, got -1"),
+    ],
+)
+def test_bad_arguments_are_usage_errors_naming_the_choices(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(argv)
+    assert exit_.value.code == 2  # argparse's usage error, not a traceback from the run
+    err = capsys.readouterr().err
+    assert "usage: treegrad" in err
+    assert re.search(words, err), err
+
+
+def test_bench_main_rejects_an_unknown_size_before_running():
+    with pytest.raises(ValueError, match=r"unknown benchmark size 'huge': choose from tiny, deep"):
+        _bench.main(sizes=["tiny", "huge"])
+
+
+def test_help_shows_defaults_and_that_plot_takes_minutes(capsys):
+    with pytest.raises(SystemExit):
+        _cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 200)" in out and "(default: 5)" in out and "(default: tiny,deep)" in out
+    assert "from: tiny, deep, wide" in out
+    assert "takes several minutes" in out and "prints progress" in out
+    assert "(default: no sweep)" in out and "(default: )" not in out
+    with pytest.raises(SystemExit):
+        _cli.main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 20)" in out and "(default: treegrad-demo.png)" in out
+    assert "(default: False)" not in out
+
+
 def test_console_script_help():
     out = subprocess.run(
         [sys.executable, "-m", "treegrad._cli", "--help"],
@@ -45,3 +94,70 @@ def test_console_script_help():
         check=True,
     )
     assert "demo" in out.stdout and "bench" in out.stdout
+
+
+def test_missing_anchor_notes_name_the_extra(monkeypatch):
+    for name in ("equinox", "flax", "torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    systems, notes, _ = _bench._systems([2, 3, 1], 4)
+    assert not any(name.startswith(("equinox", "flax", "PyTorch")) for name in systems)
+    assert len(notes) == 3, notes
+    assert notes[0].startswith("equinox skipped (ModuleNotFoundError")
+    assert notes[1].startswith("flax nnx skipped (ModuleNotFoundError")
+    for note in notes[:2]:
+        assert note.endswith('to include it: pip install -e ".[bench]"'), note
+    assert notes[2].endswith("to include it: pip install torch"), notes[2]
+
+
+def _fake_measure(sizes, batch, steps, repeats, anchors=True):
+    # Per-repetition seconds per step; each treegrad loop is a known multiple of its baseline.
+    depth = len(sizes) - 1
+    base = [1.0, 2.0, 4.0]
+    times = {
+        "jax.jit fused (hand-written)": base,
+        "jax two-call (hand-written)": [2 * b for b in base],
+        "tg.jit step": [1.5 * b for b in base],
+        "tg naive loop (new lambda/step)": [
+            2 * b * r for b, r in zip(base, (1.0, 1.2, 3.0), strict=True)
+        ],
+        "tg implicit loop": [2 * b * (1 + depth / 10) for b in base],
+    }
+    return times, [], {}
+
+
+def test_leaf_sweep_ratios_per_repetition_and_progress(monkeypatch, capsys):
+    monkeypatch.setattr(_bench, "measure", _fake_measure)
+    sweep = _bench.leaf_sweep([5, 20], steps=1, repeats=3, progress=True)
+    assert set(sweep) == set(_bench.BASELINES)
+    assert sweep["tg.jit step"] == [(10, 1.5, 1.5, 1.5), (40, 1.5, 1.5, 1.5)]
+    assert sweep["tg naive loop (new lambda/step)"][0] == (10, 1.2, 1.0, 3.0)
+    assert [p.median for p in sweep["tg implicit loop"]] == pytest.approx([1.5, 3.0])
+    out = capsys.readouterr().out
+    assert "sweep 1/2: MLP of 5 layers (10 leaves)" in out
+    assert "sweep 2/2: MLP of 20 layers (40 leaves)" in out and "sweep done" in out
+
+
+def test_overhead_plot_has_title_reference_line_and_error_bars(monkeypatch, tmp_path):
+    monkeypatch.setattr(_bench, "measure", _fake_measure)
+    sweep = _bench.leaf_sweep([5, 20], steps=1, repeats=3)
+    figures = []
+    original = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    png = tmp_path / "overhead.png"
+    _bench.plot_sweep(sweep, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (ax,) = figures[0].axes
+    assert "hand-written JAX" in ax.get_title()
+    assert "hand-written JAX" in ax.get_ylabel()
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())
+    bars = [c for c in ax.containers if c.has_yerr]
+    assert len(bars) == 3
+    naive = next(c for c in bars if c.get_label().startswith("tg naive loop"))
+    (segments,) = naive.lines[2]  # one LineCollection: the vertical min-max bar per point
+    first_point = segments.get_segments()[0]
+    assert tuple(first_point[:, 1]) == pytest.approx((1.0, 3.0))

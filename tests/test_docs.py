@@ -1,11 +1,15 @@
-"""The documentation: exact diagnostic messages, doctests, and the built site."""
+"""The documentation: exact diagnostic messages, doctests, copied code, and the built site."""
 
 import importlib.util
+import inspect
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import jax
@@ -16,7 +20,8 @@ import pytest
 import treegrad as tg
 from treegrad import nn
 
-DOCS = pathlib.Path(__file__).parent.parent / "docs"
+ROOT = pathlib.Path(__file__).parent.parent
+DOCS = ROOT / "docs"
 PAGES = [
     "index",
     "gradients",
@@ -28,7 +33,23 @@ PAGES = [
     "coming-from",
     "benchmarks",
     "api",
+    *(
+        f"api/{name}"
+        for name in (
+            "gradients",
+            "implicit",
+            "models",
+            "optimiser",
+            "training",
+            "checkpoints",
+            "losses",
+            "nn",
+            "datasets",
+            "types",
+        )
+    ),
 ]
+COPY_JS = DOCS / "javascripts" / "copy-runnable.js"
 
 
 def quoted(page):
@@ -81,7 +102,117 @@ def test_pitfalls_page_shows_exact_messages(tmp_path):
         assert message in documented, f"docs/pitfalls.md does not show:\n{message}"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="docs extras not installed")
+def page_blocks():
+    """The console blocks of each docs page, as the site shows them: `{page: [text]}`."""
+    fence = re.compile(r"^```pycon\n(.*?)^```", re.M | re.S)
+    return {
+        str(md.relative_to(DOCS)): fence.findall(md.read_text())
+        for md in sorted(DOCS.rglob("*.md"))
+    }
+
+
+def documented_objects():
+    """The objects whose docstrings the API reference renders: `{name: object}`."""
+    from treegrad import _typing, datasets
+
+    out = {}
+    for label, module in {
+        "tg": tg,
+        "tg.nn": nn,
+        "tg.losses": tg.losses,
+        "tg.datasets": datasets,
+        "treegrad._typing": _typing,
+    }.items():
+        out[label] = module
+        names = getattr(module, "__all__", None) or [n for n in dir(module) if n[0] != "_"]
+        for name in names:
+            obj = getattr(module, name)
+            if not getattr(obj, "__module__", "").startswith("treegrad"):
+                continue
+            out[f"{label}.{name}"] = obj
+            for member, value in vars(obj).items() if isinstance(obj, type) else ():
+                if member[0] != "_" and getattr(value, "__doc__", None):
+                    out[f"{label}.{name}.{member}"] = value
+    return out
+
+
+def docstring_blocks():
+    """The Examples section of each documented docstring: `{name: [text]}`."""
+    out = {}
+    for where, obj in documented_objects().items():
+        doc = inspect.getdoc(obj) or ""
+        match = re.search(r"^Examples?:\n(.*?)(?=^\S|\Z)", doc, re.M | re.S)
+        if match:
+            out[where] = [textwrap.dedent(match.group(1))]
+    return out
+
+
+def copied(blocks):
+    """What the copy button copies from each block: `runnableCode` run by Node.js."""
+    script = (
+        f"const {{ runnableCode }} = require({json.dumps(str(COPY_JS))});"
+        "let input = ''; process.stdin.on('data', (d) => (input += d));"
+        "process.stdin.on('end', () => console.log(JSON.stringify("
+        "JSON.parse(input).map((b) => b.map(runnableCode)))));"
+    )
+    keys = list(blocks)
+    result = subprocess.run(
+        ["node", "-e", script],
+        input=json.dumps([blocks[k] for k in keys]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(zip(keys, json.loads(result.stdout), strict=True))
+
+
+def test_copy_button_strips_prompts_output_and_raising_lines():
+    if shutil.which("node") is None:
+        pytest.skip("Node.js not installed: the copy script cannot be run outside a browser")
+    block = textwrap.dedent(
+        """\
+        >>> for i in range(2):
+        ...     print(i)  # doctest: +NORMALIZE_WHITESPACE
+        ...
+        0
+        1
+        >>> {}["missing"]
+        Traceback (most recent call last):
+        ...
+        KeyError: 'missing'
+        >>> x = 1
+        """
+    )
+    (out,) = copied({"case": [block]})["case"]
+    assert out == (
+        'for i in range(2):\n    print(i)\n\n# raises KeyError:\n# {}["missing"]\nx = 1\n'
+    )
+    assert copied({"plain": ["pip install treegrad"]})["plain"] == [None]
+
+
+# The docstrings' run takes 7 s on a quiet 2-core machine (one compile per example).
+@pytest.mark.parametrize("source", ["pages", pytest.param("docstrings", marks=pytest.mark.slow)])
+def test_copied_code_runs(source, tmp_path, monkeypatch):
+    """Each page's copied blocks, pasted in order into one script, run; so does each
+    docstring's example on its own."""
+    if shutil.which("node") is None:
+        pytest.skip("Node.js not installed: the copy script cannot be run outside a browser")
+    blocks = page_blocks() if source == "pages" else docstring_blocks()
+    assert sum(map(len, blocks.values())) > 10, blocks
+    monkeypatch.chdir(tmp_path)  # examples that save files write here
+    for where, codes in copied(blocks).items():
+        namespace = {"__name__": "__copied__"}
+        for code in codes:
+            assert code is not None and ">>>" not in code, where
+            # A failure's traceback names `where` as the file.
+            exec(compile(code, where, "exec"), namespace)
+
+
+@pytest.mark.docs
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None,
+    reason='the docs site needs the docs extra: pip install -e ".[docs]"',
+)
 def test_site_builds_strict_with_every_page(tmp_path):
     site = tmp_path / "site"
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -103,3 +234,8 @@ def test_site_builds_strict_with_every_page(tmp_path):
         assert f'href="{href}"' in home or f'href="./{href}"' in home, (
             f"{page}: not in the navigation"
         )
+        assert "javascripts/copy-runnable.js" in text, f"{page}: no runnable-copy script"
+    losses = (site / "api/losses/index.html").read_text()
+    for name in ("mse", "huber", "logitcrossentropy"):
+        heading = re.search(rf'<h2 id="treegrad\.losses\.{name}".*?</h2>', losses, re.S)
+        assert heading and f"treegrad.losses.{name}</span>" in heading.group(0), name

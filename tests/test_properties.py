@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,7 @@ class Net(tg.Module):
         return self.layers[-1](x) * self.scale
 
 
+@pytest.mark.slow  # 6.6 s on a quiet 2-core machine: a compile per random model shape
 @settings(max_examples=15, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 5), min_size=2, max_size=4),

@@ -14,7 +14,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,6 +160,15 @@ def _systems(
     return systems, notes, traces
 
 
+# The anchor libraries that `pip install -e ".[bench]"` brings (PyTorch is installed apart:
+# its default wheel is a CUDA build of several GB).
+BENCH_EXTRA = 'pip install -e ".[bench]"'
+
+
+def _skipped(name: str, error: BaseException, install: str) -> str:
+    return f"{name} skipped ({type(error).__name__}: {str(error)[:80]}); to include it: {install}"
+
+
 def _anchors(
     systems: dict[str, Runner], notes: list[str], sizes: list[int], x: Any, y: Any, opt: Any
 ) -> None:
@@ -184,10 +193,8 @@ def _anchors(
             s[:] = [m, st]
 
         systems["equinox filter_jit fused"] = run_eqx
-    except Exception as e:
-        notes.append(
-            f"equinox skipped ({type(e).__name__}: {str(e)[:80]}; pip install -e '.[bench]')"
-        )
+    except ImportError as e:
+        notes.append(_skipped("equinox", e, BENCH_EXTRA))
     try:
         from flax import nnx
 
@@ -225,8 +232,9 @@ def _anchors(
 
         systems["flax nnx.jit"] = run_nnx
         systems["flax nnx.cached_partial"] = run_cached
-    except Exception as e:  # missing, or an API this version lacks: a note, never a crash
-        notes.append(f"flax nnx skipped ({type(e).__name__}: {str(e)[:80]})")
+    # Missing, or an API this flax version lacks (nnx.List, nnx.cached_partial): a note.
+    except (ImportError, AttributeError, TypeError) as e:
+        notes.append(_skipped("flax nnx", e, BENCH_EXTRA))
     try:
         import torch
 
@@ -249,8 +257,8 @@ def _anchors(
                 topt.step()
 
         systems["PyTorch eager (CPU)"] = run_torch
-    except Exception as e:
-        notes.append(f"torch skipped ({type(e).__name__}: {str(e)[:80]})")
+    except ImportError as e:
+        notes.append(_skipped("torch", e, "pip install torch"))
 
 
 def measure(
@@ -320,26 +328,65 @@ def format_table(title: str, times: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
-def leaf_sweep(depths: list[int], steps: int, repeats: int) -> dict[str, list[tuple[int, float]]]:
-    """Per-step overhead over the hand-written two-call loop, by number of leaves."""
-    out: dict[str, list[tuple[int, float]]] = {}
-    for depth in depths:
-        sizes = [8] * (depth + 1)
-        times, _, _ = measure(sizes, 8, steps, repeats, anchors=False)
-        two = statistics.median(times["jax two-call (hand-written)"])
-        for name, ts in times.items():
-            out.setdefault(name, []).append((2 * depth, statistics.median(ts) - two))
+# Each treegrad loop against the hand-written JAX step it replaces.
+BASELINES = {
+    "tg.jit step": "jax.jit fused (hand-written)",
+    "tg naive loop (new lambda/step)": "jax two-call (hand-written)",
+    "tg implicit loop": "jax two-call (hand-written)",
+}
+SWEEP_DEPTHS = [5, 25, 100, 500]
+
+
+class SweepPoint(NamedTuple):
+    """One system at one model size: its time per step over its hand-written baseline."""
+
+    leaves: int
+    median: float
+    low: float
+    high: float
+
+
+def leaf_sweep(
+    depths: list[int], steps: int, repeats: int, progress: bool = False
+) -> dict[str, list[SweepPoint]]:
+    """Each treegrad loop's time per step over its `BASELINES` entry, by number of leaves.
+
+    Repetitions are interleaved, so each repetition gives one ratio per system; a point
+    holds their median and range (min-max).
+    """
+    out: dict[str, list[SweepPoint]] = {}
+    start = time.perf_counter()
+    for i, depth in enumerate(depths):
+        if progress:
+            print(
+                f"sweep {i + 1}/{len(depths)}: MLP of {depth} layers ({2 * depth} leaves), "
+                f"{time.perf_counter() - start:.0f} s so far",
+                flush=True,
+            )
+        times, _, _ = measure([8] * (depth + 1), 8, steps, repeats, anchors=False)
+        for name, base in BASELINES.items():
+            ratios = [t / b for t, b in zip(times[name], times[base], strict=True)]
+            out.setdefault(name, []).append(
+                SweepPoint(2 * depth, statistics.median(ratios), min(ratios), max(ratios))
+            )
+    if progress:
+        print(f"sweep done in {time.perf_counter() - start:.0f} s", flush=True)
     return out
 
 
 def main(
     steps: int = 200, repeats: int = 5, sizes: list[str] | None = None, plot: str | None = None
 ) -> int:
+    """Print the comparison tables (and write the leaf-count plot to `plot`); return 0."""
+    sizes = sizes or ["tiny", "deep"]
+    unknown = [size for size in sizes if size not in SIZES]
+    if unknown:
+        raise ValueError(f"unknown benchmark size {unknown[0]!r}: choose from {', '.join(SIZES)}")
     print(
         f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
         f"devices {jax.devices()}"
     )
-    for size in sizes or ["tiny", "deep"]:
+    for size in sizes:
         layer_sizes, batch = SIZES[size]
         times, notes, traces = measure(layer_sizes, batch, steps, repeats)
         print()
@@ -359,25 +406,42 @@ def main(
         for note in notes:
             print("note:", note)
     if plot:
-        sweep = leaf_sweep([5, 25, 100, 500], max(10, steps // 10), 3)
-        _plot_sweep(sweep, plot)
+        print(f"\nleaf-count sweep for {plot} (several minutes):", flush=True)
+        sweep = leaf_sweep(SWEEP_DEPTHS, max(10, steps // 10), 3, progress=True)
+        plot_sweep(sweep, plot)
     return 0
 
 
-def _plot_sweep(sweep: dict[str, list[tuple[int, float]]], path: str) -> None:
+def plot_sweep(sweep: dict[str, list[SweepPoint]], path: str) -> None:
+    """Write the sweep as a PNG: ratio to hand-written JAX per leaf count, min-max bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.axhline(1.0, color="0.4", linewidth=1, linestyle="--", label="hand-written JAX (1.0)")
     for name, pts in sweep.items():
-        if "two-call" in name:
-            continue
-        ax.plot([p[0] for p in pts], [1e6 * p[1] for p in pts], "o-", label=name)
+        med = [p.median for p in pts]
+        ax.errorbar(
+            [p.leaves for p in pts],
+            med,
+            yerr=[
+                [m - p.low for m, p in zip(med, pts, strict=True)],
+                [p.high - m for m, p in zip(med, pts, strict=True)],
+            ],
+            fmt="o-",
+            capsize=3,
+            label=f"{name} / {BASELINES[name].removesuffix(' (hand-written)')}",
+        )
     ax.set_xscale("log")
+    leaves = sorted({p.leaves for pts in sweep.values() for p in pts})
+    ax.set_xticks(leaves, [str(n) for n in leaves])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("number of parameter arrays (leaves)")
-    ax.set_ylabel("us/step over hand-written two-call")
+    ax.set_ylabel("time per step / hand-written JAX")
+    ax.set_title("treegrad's overhead against hand-written JAX, by number of leaves", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -9,7 +9,9 @@ When the engine compiles a function it traces it once with `jax.jit(...).trace`
   walk could not see it (and so could go stale) is found and reported.
 
 `tests/test_jaxpr.py` pins each of these behaviours and fails loudly if a JAX
-upgrade changes them (jax 0.11 made `ClosedJaxpr` an alias of `Jaxpr`).
+upgrade changes them. They hold on jax 0.10 to 0.12: from 0.11 on,
+`ClosedJaxpr` is an alias of `Jaxpr` that keeps the old attributes (`.jaxpr`,
+`.consts`; marked for removal), so one code path serves both.
 """
 
 from __future__ import annotations
