@@ -204,7 +204,7 @@ def test_self_referencing_dict():
 
 def test_function_made_by_exec_without_a_module_name():
     ns = {"jnp": jnp, "K": 2.0}
-    exec("def f(v):\n    return jnp.sum(v) * K\n", ns)  # noqa: S102 -- the point of the test
+    exec("def f(v):\n    return jnp.sum(v) * K\n", ns)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # user code: no RetraceWarning
         check(ns["f"])
@@ -372,7 +372,7 @@ def _random_case(rng: random.Random, k: int):
     src = "\n".join(prelude) + "\ndef make():\n"
     src += "".join(f"    {c}\n" for c in cells) or "    pass\n"
     src += f"    return lambda v: {terms}\n"
-    exec(src, ns)  # noqa: S102 -- generated test programs
+    exec(src, ns)
     return ns, setters
 
 

@@ -67,7 +67,7 @@ def test_reached_finds_gradients_that_depend_on_the_cotangent():
     inner = jax.jit(lambda a, b: jnp.sum(a) * 3.0)
 
     def program(a, b, c, ct):
-        loss, vjp = jax.vjp(lambda a, b, c: inner(a, b) + jnp.sum(c * 0.0), a, b, c)
+        _, vjp = jax.vjp(lambda a, b, c: inner(a, b) + jnp.sum(c * 0.0), a, b, c)
         return vjp(ct)
 
     closed = _traced(program, jnp.ones(2), jnp.ones(2), jnp.ones(2), jnp.ones(()))

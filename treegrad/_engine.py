@@ -31,11 +31,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from . import _guard as G
 from . import _jaxpr
+from ._guardcode import Guard
+from ._outputs import DYN, Written, expand, uniq
+from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
+from ._swap import Swap
 from ._tree import describe_leaf, is_inexact
 
 
@@ -57,32 +59,6 @@ class RetraceWarning(UserWarning):
     """
 
 
-class _Dyn:
-    """Marks an array leaf among an argument tree's static leaves."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<array>"
-
-
-DYN = _Dyn()
-
-GRAD = "grad"  # value and gradient of a scalar output
-PULLBACK = "pullback"  # value and a vector-Jacobian product closure
-JACOBIAN = "jacobian"
-HESSIAN = "hessian"
-CALL = "call"  # plain compiled call (tg.jit)
-
-_TRACE_ERRORS = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.NonConcreteBooleanIndexError,
-    jax.errors.TracerArrayConversionError,
-    jax.errors.TracerBoolConversionError,
-    jax.errors.TracerIntegerConversionError,
-)
-
-
 # --- step 1: the call ---------------------------------------------------------
 
 
@@ -100,26 +76,6 @@ def root_key(f: Any) -> Any:
     return t
 
 
-def _uniq(xs: list[Any]) -> tuple[list[Any], tuple[int, ...] | None]:
-    """`xs` without repeated objects, and where each came from (None: no repeats)."""
-    if len(set(map(id, xs))) == len(xs):
-        return xs, None
-    index: dict[int, int] = {}
-    uniq: list[Any] = []
-    slots = []
-    for x in xs:
-        j = index.get(id(x))
-        if j is None:
-            j = index[id(x)] = len(uniq)
-            uniq.append(x)
-        slots.append(j)
-    return uniq, tuple(slots)
-
-
-def _expand(uniq: Sequence[Any], slots: tuple[int, ...] | None) -> list[Any]:
-    return list(uniq) if slots is None else [uniq[s] for s in slots]
-
-
 class Call:
     """The roots (the function, and for `tg.jit` callable arguments) and the flat arguments."""
 
@@ -127,7 +83,8 @@ class Call:
 
     def __init__(self, program: str, options: Any, roots: tuple[Any, ...], args: Any):
         self.roots = roots
-        leaves, self.a_def = jax.tree_util.tree_flatten(args)
+        leaves, a_def = jax.tree_util.tree_flatten(args)
+        self.a_def: Any = a_def  # jaxlib's stub lacks PyTreeDef's children and num_leaves
         if G._ARRAY_TYPES.issuperset(map(type, leaves)) or all(map(G.is_array, leaves)):
             arrays = leaves
             self.a_statics: Any = None
@@ -139,7 +96,7 @@ class Call:
                 self.a_statics = statics
             except TypeError:  # unhashable static leaves are keyed by identity
                 self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
-        self.a_uniq, self.a_slots = _uniq(arrays)
+        self.a_uniq, self.a_slots = uniq(arrays)
         keys = tuple(map(root_key, roots)) if len(roots) > 1 else root_key(roots[0])
         self.key = (program, options, keys, self.a_def, self.a_statics, self.a_slots)
 
@@ -150,148 +107,6 @@ def _hashable(x: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-# --- outputs --------------------------------------------------------------------
-
-
-class _Aux:
-    """Non-array parts of an output, carried through `jax.jit` as static data."""
-
-    __slots__ = ("statics", "treedef")
-
-    def __init__(self, treedef: Any, statics: tuple[Any, ...]):
-        self.treedef = treedef
-        self.statics = statics
-
-    def rebuild(self, arrays: Sequence[Any]) -> Any:
-        it = iter(arrays)
-        return jax.tree_util.tree_unflatten(
-            self.treedef, [next(it) if s is DYN else s for s in self.statics]
-        )
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _Aux)
-            and self.treedef == other.treedef
-            and len(self.statics) == len(other.statics)
-            and all(a is b or _same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
-        )
-
-    def __hash__(self) -> int:
-        return hash(self.treedef)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return False
-
-
-jax.tree_util.register_pytree_node(_Aux, lambda a: ((), a), lambda a, _: a)
-
-
-class Packed:
-    """A traced function's output as returned by `jax.jit`.
-
-    When every leaf of the output is an array, the output tree itself is the
-    payload (jax rebuilds it in C++); otherwise the arrays travel flat and the
-    static leaves ride in `aux`.
-    """
-
-    __slots__ = ("aux", "payload")
-
-    def __init__(self, payload: Any, aux: _Aux | None):
-        self.payload = payload
-        self.aux = aux
-
-    def value(self) -> Any:
-        return self.payload if self.aux is None else self.aux.rebuild(self.payload)
-
-
-jax.tree_util.register_pytree_node(
-    Packed, lambda p: ((p.payload,), p.aux), lambda a, c: Packed(c[0], a)
-)
-
-
-def split_output(out: Any) -> tuple[list[Any], _Aux]:
-    leaves, treedef = jax.tree_util.tree_flatten(out)
-    arrays = []
-    statics = []
-    for leaf in leaves:
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            arrays.append(leaf)
-            statics.append(DYN)
-        else:
-            statics.append(leaf)
-    return arrays, _Aux(treedef, tuple(statics))
-
-
-def pack(out: Any) -> Packed:
-    arrays, aux = split_output(out)
-    if all(s is DYN for s in aux.statics):
-        return Packed(out, None)
-    return Packed(arrays, aux)
-
-
-class Written:
-    """Arrays the traced function rebound in its captured places, to write back after a call."""
-
-    __slots__ = ("index", "places", "values")
-
-    def __init__(self, places: tuple[int, ...], index: tuple[int, ...], values: list[Any]):
-        self.places = places
-        self.index = index
-        self.values = values
-
-    @classmethod
-    def of(cls, written: dict[int, Any]) -> Written:
-        places = tuple(sorted(written))
-        # A tied weight rebound at two places is one new array: one output, one object after.
-        uniq, slots = _uniq([written[p] for p in places])
-        index = tuple(range(len(uniq))) if slots is None else slots
-        return cls(places, index, uniq)
-
-
-jax.tree_util.register_pytree_node(
-    Written,
-    lambda w: (w.values, (w.places, w.index)),
-    lambda aux, values: Written(aux[0], aux[1], list(values)),
-)
-
-
-def scalar_loss(value: Any, api: str) -> Any:
-    """Check that `value` is a real scalar and return it as an array."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return jnp.asarray(value, dtype=float)
-    if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        raise TypeError(
-            f"{api}: the function must return a real scalar, but it returned a "
-            f"{type(value).__name__}. Return a scalar loss (reduce with jnp.sum or jnp.mean); "
-            "for the derivatives of a vector output use tg.jacobian."
-        )
-    if value.shape != ():
-        raise TypeError(
-            f"{api}: the function must return a real scalar, but it returned an array of "
-            f"shape {value.shape}. Reduce it to a scalar (jnp.sum, jnp.mean), or use "
-            "tg.jacobian for the derivatives of a vector output."
-        )
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        raise TypeError(
-            f"{api}: the function must return a real floating-point scalar, but it returned "
-            f"dtype {value.dtype}. Cast the loss to a float (or use tg.jacobian for a complex "
-            "output)."
-        )
-    return value
-
-
-def _conj(g: Any) -> Any:
-    # Steepest ascent for complex parameters (API.md §1): df/dx + i df/dy, the
-    # conjugate of what jax returns, so that `p - lr * g` and optax descend.
-    return jnp.conj(g) if jnp.iscomplexobj(g) else g
 
 
 # --- step 3: one compiled program per entry ----------------------------------------
@@ -332,8 +147,9 @@ class Entry:
         self.absolute = walk.finish(self.nodes)
         self.names = walk.names
         self.n_places = walk.places
-        self.guard = G.Guard(self.nodes, self.absolute)
-        self.a_def, self.a_statics, self.a_slots = call.a_def, call.a_statics, call.a_slots
+        self.guard = Guard(self.nodes, self.absolute)
+        self.a_def: Any = call.a_def
+        self.a_statics, self.a_slots = call.a_statics, call.a_slots
         self.n_args = len(call.a_uniq)
         self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
         self.demoted = False
@@ -351,7 +167,7 @@ class Entry:
 
     def bind(self, cl: list[Any], a_uniq: list[Any], params: Sequence[Any] | None) -> list[Any]:
         """Fix what depends on the first call's inputs: ties, parameters, what to differentiate."""
-        cl_uniq, self.cl_slots = _uniq(cl)
+        cl_uniq, self.cl_slots = uniq(cl)
         self.n_cl = len(cl_uniq)
         dyn = cl_uniq + a_uniq
         if params is not None:
@@ -366,9 +182,9 @@ class Entry:
     def _build(self) -> None:
         n_extra = len(self._extra_avals())
 
-        def trace(*dyn: Any) -> Any:
+        def program(*dyn: Any) -> Any:
             n = len(dyn) - n_extra
-            return _trace(self, list(dyn[:n]), dyn[n:])
+            return trace(self, list(dyn[:n]), dyn[n:])
 
         kwargs: dict[str, Any] = {}
         if self._donate_fn is not None:
@@ -377,11 +193,11 @@ class Entry:
             in_shardings = self._shardings_fn(self)
             if in_shardings is not None:
                 kwargs["in_shardings"] = in_shardings
-        self.jitted = jax.jit(trace, **kwargs)
+        self.jitted = jax.jit(program, **kwargs)
 
     def matches(self, cl: list[Any], params: Sequence[Any] | None) -> list[Any] | None:
         """The closure's unique inputs if this entry's ties and parameters fit, else None."""
-        cl_uniq, slots = _uniq(cl)
+        cl_uniq, slots = uniq(cl)
         if slots != self.cl_slots:
             return None
         if params is not None and _positions(cl_uniq, params) != self.param_pos:
@@ -403,7 +219,7 @@ class Entry:
             if isinstance(c, jax.Array)
             and not _jaxpr.is_tracer(c)
             and id(c) in before
-            and not any(c is one for one in _ONE)  # an inner gradient's cotangent
+            and not is_cotangent(c)  # an inner gradient's cotangent, not a user array
         ]
         if hidden:
             self._hidden(hidden)
@@ -424,7 +240,7 @@ class Entry:
     n_deps = 0
 
     def _extra(self) -> tuple[Any, ...]:
-        return (_cotangent(),) if self.program == GRAD else ()
+        return (cotangent(),) if self.program == GRAD else ()
 
     def _extra_avals(self) -> tuple[Any, ...]:
         return (None,) if self.program == GRAD else ()
@@ -463,7 +279,7 @@ class Entry:
             self.stack.pop()
         if self.demoted:
             self.demoted = False
-            self.guard = G.Guard(self.nodes, self.absolute)
+            self.guard = Guard(self.nodes, self.absolute)
         if self.program == GRAD:
             grads, packed, written = out
             deps = None
@@ -477,7 +293,7 @@ class Entry:
         values: list[Any] = [G.MISSING] * self.n_places
         for place, k in zip(written.places, written.index, strict=True):
             values[place] = written.values[k]
-        swap = G.Swap(values, inline=False, record=False)
+        swap = Swap(values, inline=False, record=False)
         for node, root in zip(self.nodes, roots, strict=True):
             swap.put(node, root)
         for node in self.absolute:
@@ -486,7 +302,7 @@ class Entry:
     # Used while tracing.
     def args(self, vals: Sequence[Any]) -> Any:
         """The arguments rebuilt from their unique arrays (tracers while tracing)."""
-        arrays = _expand(vals, self.a_slots)
+        arrays = expand(vals, self.a_slots)
         if self.a_statics is None:
             leaves = arrays
         else:
@@ -544,7 +360,7 @@ def _static_functions(treedef: Any) -> list[Any]:
     """User functions held as static data of the Modules in an argument tree."""
     from ._module import _Static
 
-    out = []
+    out: list[Any] = []
     stack = [treedef]
     while stack:
         td = stack.pop()
@@ -553,270 +369,6 @@ def _static_functions(treedef: Any) -> list[Any]:
             out.extend(v for _, v in data[1].items if type(v) is G.types.FunctionType)
         stack.extend(td.children())
     return out
-
-
-# --- tracing ---------------------------------------------------------------------
-
-
-def _trace(entry: Entry, dyn: list[Any], extra: tuple[Any, ...]) -> Any:
-    """The traced program: the user's function run on its own objects, holding tracers."""
-    roots = entry.stack[-1]
-    swap = G.Swap(_expand(dyn[: entry.n_cl], entry.cl_slots))
-    try:
-        fns = [swap.put(node, root) for node, root in zip(entry.nodes, roots, strict=True)]
-        for node in entry.absolute:
-            swap.put(node, None)
-        return _PROGRAMS[entry.program](entry, fns, dyn, *extra)
-    finally:
-        swap.restore()
-
-
-def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -> Any:
-    """The user's function as a function of the `active` inputs (the rest held fixed).
-
-    Returns `call(*xs) -> (output, written)`, where `written` maps the places
-    the function rebound to their new values.
-    """
-
-    def call(*xs: Any) -> tuple[Any, dict[int, Any]]:
-        vals = list(dyn)
-        for i, x in zip(active, xs, strict=True):
-            vals[i] = x
-        per_place = _expand(vals[: entry.n_cl], entry.cl_slots)
-        inner = None
-        if entry.implicit and active:
-            # Parameters live in the closure: put the differentiated tracers in their places.
-            chosen = set(active)
-            slots = entry.cl_slots or range(entry.n_cl)
-            inner = G.Swap([v if u in chosen else G.MISSING for u, v in zip(slots, per_place)])
-            for node, fn in zip(entry.nodes, fns, strict=True):
-                inner.put(node, fn)
-            for node in entry.absolute:
-                inner.put(node, None)
-        try:
-            args = entry.args(vals[entry.n_cl :])
-            try:
-                if entry.program == CALL:
-                    pos, kw = args
-                    out = _call_with_roots(entry, fns, pos, kw)
-                else:
-                    out = fns[0](*args)
-            except _TRACE_ERRORS as e:
-                raise _traced_value_error(entry, e) from e
-            written: dict[int, Any] = {}
-            settle = G.Settle(per_place, written)
-            try:
-                entry.nodes = [settle.node(n, r) for n, r in zip(entry.nodes, entry.stack[-1])]
-                entry.absolute = [settle.node(n, None) for n in entry.absolute]
-            except G.Unsettled:
-                entry.cacheable = False
-                written = {}
-            entry.demoted = entry.demoted or settle.demoted
-            return out, written
-        finally:
-            if inner is not None:
-                inner.restore()
-
-    return call
-
-
-def _call_with_roots(entry: Entry, fns: list[Any], pos: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    # tg.jit: callable arguments travel as roots and static arguments in the
-    # entry; their places in the arguments hold a marker for the real value.
-    statics = list(entry.statics.values())
-
-    def real(a: Any) -> Any:
-        if type(a) is not RootArg:
-            return a
-        return fns[a.k + 1] if a.k >= 0 else statics[-1 - a.k]
-
-    return fns[0](*map(real, pos), **{k: real(v) for k, v in kw.items()})
-
-
-class RootArg:
-    """Stands for the k-th callable argument of a `tg.jit` call in the static arguments."""
-
-    __slots__ = ("k",)
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is RootArg and other.k == self.k
-
-    def __hash__(self) -> int:
-        return hash((RootArg, self.k))
-
-    def __repr__(self) -> str:
-        return f"<callable argument {self.k}>"
-
-
-def _traced_value_error(entry: Entry, e: Exception) -> Exception:
-    where = _user_frame(e)
-    captured = ", ".join(entry.names[:6])
-    what = (
-        f" It reads these captured arrays, which are traced inputs: {captured}." if captured else ""
-    )
-    msg = (
-        f"{entry.api}: while tracing {where}, a traced array was used where a concrete Python "
-        f"value is needed ({type(e).__name__}: {str(e).splitlines()[0]}).{what} treegrad traces "
-        "every array the function reads (arguments, closure variables, globals) as an input, "
-        "so that it is never stale; its value is not known while compiling. Use a Python "
-        "value instead (e.g. mask.tolist(), or int(n) computed outside the function), use "
-        "jnp.where instead of boolean indexing, or pass the value to a tg.jit function listed "
-        "in static_argnums."
-    )
-    return TypeError(msg)
-
-
-def _user_frame(e: BaseException) -> str:
-    """The innermost frame of the user's own code in a traceback: `file:line`."""
-    tb = e.__traceback__
-    found = "the function"
-    while tb is not None:
-        frame = tb.tb_frame
-        name = frame.f_globals.get("__name__")
-        if not G.is_library_module(name) and "/treegrad/" not in frame.f_code.co_filename:
-            found = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{tb.tb_lineno})"
-        tb = tb.tb_next
-    return found
-
-
-def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
-    active = entry.active
-    call = _user(entry, fns, dyn, active)
-    has_aux = entry.options[0]
-
-    def loss_of(*xs: Any) -> Any:
-        out, written = call(*xs)
-        loss = out[0] if has_aux and isinstance(out, tuple) else out
-        return scalar_loss(loss, entry.api), (out if has_aux else None, written)
-
-    if active:
-        loss, vjp, (out, written) = jax.vjp(loss_of, *[dyn[i] for i in active], has_aux=True)
-        # The cotangent is an input (always 1), so that the jaxpr shows which
-        # gradients depend on it; the loss itself is an output only when asked
-        # for, so XLA drops the forward work the gradient does not need.
-        grads = [_conj(g) for g in vjp(ct.astype(loss.dtype))]
-    else:
-        loss, (out, written) = loss_of()
-        grads = []
-    return _grads_out(entry, active, grads), pack(out), Written.of(written)
-
-
-def _grads_out(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any:
-    by_pos = dict(zip(active, grads, strict=True))
-    if entry.implicit:
-        return tuple(by_pos.get(i) for i in entry.wrt)
-    return entry.arg_trees(by_pos)
-
-
-def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
-    active = entry.active
-    call = _user(entry, fns, dyn, active)
-    holder: list[Any] = []
-
-    def outputs(*xs: Any) -> Any:
-        out, written = call(*xs)
-        arrays, aux = split_output(out)
-        holder.append(aux)
-        return arrays, written
-
-    arrays, vjp, written = jax.vjp(outputs, *[dyn[i] for i in active], has_aux=True)
-    entry.n_deps = len(arrays)
-    back = jax.tree_util.Partial(_back, vjp)
-    return arrays, Packed(arrays, holder[0]), back, Written.of(written)
-
-
-def _back(vjp: Any, dy: Any) -> list[Any]:
-    return [_conj(g) for g in vjp(dy)]
-
-
-def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
-    active = entry.active
-    call = _user(entry, fns, dyn, active)
-
-    def y_of(*xs: Any) -> Any:
-        out, written = call(*xs)
-        if not isinstance(out, (jax.Array, np.ndarray)):
-            raise TypeError(
-                f"{entry.api}: the function must return one array, got {type(out).__name__}. "
-                "Return a single array (stack several outputs with jnp.stack)."
-            )
-        return out, (out, written)
-
-    if active:
-        jacs, (y, written) = jax.jacrev(y_of, argnums=tuple(range(len(active))), has_aux=True)(
-            *[dyn[i] for i in active]
-        )
-    else:
-        _, (y, written) = y_of()
-        jacs = ()
-    entry.n_deps = 1
-    return [y], Packed(None, None), _grads_out(entry, active, jacs), Written.of(written)
-
-
-def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
-    # options[1]: the groups of wrt positions (one per argument); each argument's
-    # Hessian with respect to itself.
-    groups = entry.arg_groups()
-    call = _user(entry, fns, dyn, entry.active)
-    loss, written = call(*[dyn[i] for i in entry.active])
-    loss = scalar_loss(loss, entry.api)
-    result = []
-    for group in groups:
-        active = list(dict.fromkeys(i for i in group if i in entry.active))
-        fn = _user(entry, fns, dyn, active)
-        h = (
-            jax.hessian(
-                lambda *xs, fn=fn: scalar_loss(fn(*xs)[0], entry.api),
-                argnums=tuple(range(len(active))),
-            )(*[dyn[i] for i in active])
-            if active
-            else ()
-        )
-        index = {p: k for k, p in enumerate(active)}
-        result.append(
-            tuple(
-                tuple(
-                    None if i not in index or j not in index else h[index[i]][index[j]]
-                    for j in group
-                )
-                for i in group
-            )
-        )
-    entry.n_deps = 1
-    return [loss], Packed(None, None), tuple(result), Written.of(written)
-
-
-def _call_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
-    out, written = _user(entry, fns, dyn, ())()
-    if entry.out_shardings is not None:
-        out = jax.lax.with_sharding_constraint(out, entry.out_shardings)
-    entry.n_deps = 0
-    return [], pack(out), None, Written.of(written)
-
-
-_PROGRAMS: dict[str, Callable[..., Any]] = {
-    GRAD: _grad_program,
-    PULLBACK: _pullback_program,
-    JACOBIAN: _jacobian_program,
-    HESSIAN: _hessian_program,
-    CALL: _call_program,
-}
-
-
-_ONE: list[Any] = []
-
-
-def _cotangent() -> Any:
-    # Made on first use, not at import: creating an array starts jax's backend,
-    # which must wait for jax.distributed.initialize in multi-process runs. The
-    # first use may be inside a trace, where jnp.ones would give a tracer.
-    if not _ONE:
-        with jax.ensure_compile_time_eval():
-            _ONE.append(jnp.ones((), jnp.float32))
-    return _ONE[0]
 
 
 # --- step 2 and 4: the cache, and running ------------------------------------------

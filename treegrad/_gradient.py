@@ -19,6 +19,8 @@ from typing import Any
 import jax
 
 from . import _engine as E
+from . import _programs as P
+from ._outputs import DYN
 from ._params import Grads, NoGradientError, NoGradientWarning, Params
 from ._tree import path_str
 
@@ -104,8 +106,8 @@ def _label(path: Any) -> str:
 
 
 def _implicit_grad(api: str, f: Any, ps: Params, has_aux: bool, strict: bool) -> tuple[Any, Grads]:
-    call = _Implicit(E.GRAD, api, f, ps, (has_aux,))
-    deps, packed, grads = call.out
+    call = _Implicit(P.GRAD, api, f, ps, (has_aux,))
+    _, packed, grads = call.out
     values = call.place(grads)
     if values and all(g is None for g in values):
         _no_gradient(api, strict, len(values))
@@ -133,7 +135,7 @@ def _split_implicit(args: tuple[Any, ...]) -> Params | None:
 
 
 def _explicit_grad(api: str, f: Any, args: tuple[Any, ...], has_aux: bool) -> tuple[Any, Any]:
-    _, (_, packed, grads) = _explicit(E.GRAD, api, f, args, (has_aux,))
+    _, (_, packed, grads) = _explicit(P.GRAD, api, f, args, (has_aux,))
     return (packed.value() if has_aux else None), grads
 
 
@@ -239,7 +241,7 @@ class Pullback:
                 "tg.pullback: the cotangent does not have the structure of the output "
                 f"({self._aux.treedef}); pass one array per output array, shaped like it."
             ) from None
-        arrays = [d for d, s in zip(leaves, self._aux.statics, strict=True) if s is E.DYN]
+        arrays = [d for d, s in zip(leaves, self._aux.statics, strict=True) if s is DYN]
         for k, (d, (shape, dtype)) in enumerate(zip(arrays, self._shapes, strict=True)):
             if getattr(d, "shape", None) != shape:
                 raise ValueError(
@@ -272,19 +274,20 @@ def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
     ps = _split_implicit(args)
     _check_style(f, "tg.pullback", args, ps)
     if ps is not None:
-        call = _Implicit(E.PULLBACK, "tg.pullback", f, ps, ())
+        call = _Implicit(P.PULLBACK, "tg.pullback", f, ps, ())
         _, packed, back = call.out
         arrays, paths = call.arrays, call.paths
         none = Grads(arrays, [None] * len(arrays), paths)
-        place = lambda g: Grads(arrays, call.place(g), paths)  # noqa: E731
-        return packed.value(), Pullback(back, packed, place, none)
-    entry, (_, packed, back) = _explicit(E.PULLBACK, "tg.pullback", f, args, ())
+        return packed.value(), Pullback(
+            back, packed, lambda g: Grads(arrays, call.place(g), paths), none
+        )
+    entry, (_, packed, back) = _explicit(P.PULLBACK, "tg.pullback", f, args, ())
     active = entry.active
 
-    def place(g: Any) -> Any:
+    def to_trees(g: Any) -> Any:
         return entry.arg_trees(dict(zip(active, g, strict=True)))
 
-    return packed.value(), Pullback(back, packed, place, entry.arg_trees({}))
+    return packed.value(), Pullback(back, packed, to_trees, entry.arg_trees({}))
 
 
 def jacobian(f: Callable[..., Any], *args: Any) -> Any:
@@ -310,9 +313,9 @@ def jacobian(f: Callable[..., Any], *args: Any) -> Any:
     ps = _split_implicit(args)
     _check_style(f, "tg.jacobian", args, ps)
     if ps is not None:
-        call = _Implicit(E.JACOBIAN, "tg.jacobian", f, ps, ())
+        call = _Implicit(P.JACOBIAN, "tg.jacobian", f, ps, ())
         return Grads(call.arrays, call.place(call.out[2]), call.paths)
-    return _explicit(E.JACOBIAN, "tg.jacobian", f, args, ())[1][2]
+    return _explicit(P.JACOBIAN, "tg.jacobian", f, args, ())[1][2]
 
 
 def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
@@ -339,25 +342,24 @@ def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
     if _split_implicit(args) is not None:
         raise TypeError("tg.hessian takes explicit arguments; pass the arrays, not a tg.Params.")
     _check_style(f, "tg.hessian", args, None)
-    entry, (_, _, blocks) = _explicit(E.HESSIAN, "tg.hessian", f, args, (False,))
+    entry, (_, _, blocks) = _explicit(P.HESSIAN, "tg.hessian", f, args, (False,))
     out = []
-    groups = entry.arg_groups()
     offset = 0
-    for treedef, group, block in zip(entry.a_def.children(), groups, blocks, strict=True):
+    for treedef, block in zip(entry.a_def.children(), blocks, strict=True):
         n = treedef.num_leaves
-        statics = (E.DYN,) * n if entry.a_statics is None else entry.a_statics[offset : offset + n]
+        statics = (DYN,) * n if entry.a_statics is None else entry.a_statics[offset : offset + n]
         offset += n
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-            out.append(block[0][0] if statics[0] is E.DYN else None)
+            out.append(block[0][0] if statics[0] is DYN else None)
             continue
         rows = iter(block)
         outer: list[Any] = []
         for s in statics:
-            if s is not E.DYN:
+            if s is not DYN:
                 outer.append(None)
                 continue
             cols = iter(next(rows))
-            inner = [next(cols) if t is E.DYN else None for t in statics]
+            inner = [next(cols) if t is DYN else None for t in statics]
             outer.append(jax.tree_util.tree_unflatten(treedef, inner))
         out.append(jax.tree_util.tree_unflatten(treedef, outer))
     return tuple(out)

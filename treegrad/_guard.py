@@ -9,17 +9,17 @@ numbered in walk order), a number or string (checked by value), a library
 object (checked by identity), or a container to descend into.
 
 A cache hit then runs the node tree as a *guard*: straight-line Python
-generated once per entry (`Guard`), the way TorchDynamo guards compiled
+generated once per entry (`_guardcode.py`), the way TorchDynamo guards compiled
 frames, which re-reads every place from the function being called, checks each
 non-array value and collects the arrays in place order. So every value the
 function reads is fresh, and the hit path builds no trees. A failed check means
 the entry does not apply and the engine re-traces.
 
-The same tree drives tracing: `Swap` puts tracers into the places (the user's
-own containers, cells and globals) while the function is traced, records what
-the function rebinds there (an in-place update inside a compiled step), and
-puts everything back. So the function runs against its real objects, identity
-and side effects included, exactly as it would run uncompiled.
+The same tree drives tracing (`_swap.py`): tracers are put into the places (the
+user's own containers, cells and globals) while the function is traced, what
+the function rebinds there is recorded (an in-place update inside a compiled
+step), and everything is put back. So the function runs against its real
+objects, identity and side effects included, exactly as it would uncompiled.
 
 Nodes hold no user arrays and no user containers: code objects, treedefs,
 library objects, weak references to user classes and functions, and values of
@@ -34,14 +34,13 @@ import functools
 import sys
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
 from ._module import Module
-from ._paths import rebind
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
 
@@ -179,6 +178,7 @@ def clear() -> None:
     """Forget every memo (`tg.clear_cache`)."""
     _CODE_INFO.clear()
     _PYTREE_NODE.clear()
+    _SLOT_NAMES.clear()
     _LIBRARY_MODULES.clear()
     _LIBRARY_CLASSES.clear()
     _ARRAY_TYPES.clear()
@@ -248,7 +248,7 @@ class Seq(Node):
     __slots__ = ("items", "type")
 
     def __init__(self, typ: type, items: list[Node]):
-        self.type = typ
+        self.type: Any = typ
         self.items = items
 
 
@@ -256,7 +256,7 @@ class Map(Node):
     __slots__ = ("items", "type")
 
     def __init__(self, typ: type, items: list[tuple[Any, Node]]):
-        self.type = typ
+        self.type: Any = typ
         self.items = items
 
 
@@ -286,7 +286,7 @@ class Partial(Node):
     __slots__ = ("args", "func", "keywords", "type")
 
     def __init__(self, typ: type, func: Node, args: Node, keywords: Node):
-        self.type = typ
+        self.type: Any = typ
         self.func = func
         self.args = args
         self.keywords = keywords
@@ -312,7 +312,7 @@ class Obj(Node):
     __slots__ = ("attrs", "slots", "type")
 
     def __init__(self, typ: Same, attrs: list[tuple[str, Node]], slots: list[tuple[str, Node]]):
-        self.type = typ
+        self.type: Any = typ
         self.attrs = attrs
         self.slots = slots
 
@@ -343,7 +343,7 @@ class Descr(Node):
     __slots__ = ("attr", "inner", "type")
 
     def __init__(self, typ: type, attr: str, inner: Node):
-        self.type = typ
+        self.type: Any = typ
         self.attr = attr
         self.inner = inner
 
@@ -441,12 +441,13 @@ class Walk:
                 if type(obj) is types.FunctionType:
                     nodes[key] = Fixed(Same(obj), self._function(obj, _describe(obj)))
                     continue
-                node = nodes[key] = Attrs(Same(obj), [])
+                attrs = Attrs(Same(obj), [])
+                nodes[key] = attrs
                 done[key] = set()
                 if isinstance(obj, type):
                     for name, value in list(vars(obj).items()):
                         if name not in _SKIP_CLASS_ATTRS and _code_of(value) is not None:
-                            node.attrs.append((name, self._attr(obj, name, value)))
+                            attrs.attrs.append((name, self._attr(obj, name, value)))
                             done[key].add(name)
             for key, node in nodes.items():
                 if not isinstance(node, Attrs):
@@ -632,8 +633,17 @@ def _code_of(value: Any) -> Any:
     return value if type(value) is types.FunctionType else None
 
 
-@functools.cache
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _slot_names(t: type) -> tuple[str, ...]:
+    got = _SLOT_NAMES.get(t)
+    if got is None:
+        got = _SLOT_NAMES[t] = _find_slot_names(t)
+    return got
+
+
+def _find_slot_names(t: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in t.__mro__:
         slots = vars(klass).get("__slots__", ())
@@ -651,552 +661,6 @@ def _node_types(treedef: Any) -> Iterator[type]:
         if data is not None:
             yield data[0]
         stack.extend(td.children())
-
-
-# --- the guard: generated straight-line Python ----------------------------------
-
-
-class Guard:
-    """`guard(*roots)` returns the arrays at every place, in place order, or None.
-
-    Generated once per cache entry from its node tree: one flat function with
-    one check per place, so a hit costs a few attribute and dict reads per
-    value the function can read, and no Python objects per array.
-    """
-
-    def __init__(self, roots: list[Node], absolute: list[Node]):
-        self.ns: dict[str, Any] = {
-            "ARR": _ARRAY_TYPES,
-            "isarr": is_array,
-            "MISSING": MISSING,
-            "FunctionType": types.FunctionType,
-            "MethodType": types.MethodType,
-            "flatten": jax.tree_util.tree_flatten,
-        }
-        self.lines: list[str] = []
-        self.names: dict[int, str] = {}
-        self.n = 0
-        args = [f"r{i}" for i in range(len(roots))]
-        for node, arg in zip(roots, args, strict=True):
-            self._gen(node, arg, 1)
-        for node in absolute:
-            self._gen(node, None, 1)
-        body = "\n".join(self.lines) or "    pass"
-        head = f"def guard({', '.join(args)}):\n    out = []\n    push = out.append\n"
-        src = f"{head}{body}\n    return out\n"
-        exec(compile(src, "<treegrad guard>", "exec"), self.ns)
-        self.check: Callable[..., list[Any] | None] = self.ns["guard"]
-        self.source = src
-
-    def _k(self, obj: Any) -> str:
-        name = f"K{len(self.ns)}"
-        self.ns[name] = obj
-        return name
-
-    def _v(self) -> str:
-        self.n += 1
-        return f"v{self.n}"
-
-    def _emit(self, depth: int, line: str) -> None:
-        self.lines.append("    " * depth + line)
-
-    def _fail_unless(self, depth: int, cond: str) -> None:
-        self._emit(depth, f"if not ({cond}): return None")
-
-    def _gen(self, node: Node, v: str | None, d: int) -> None:
-        if v is not None:
-            self.names[id(node)] = v
-        if isinstance(node, Array):
-            self._fail_unless(d, f"type({v}) in ARR or isarr({v})")
-            self._emit(d, f"push({v})")
-        elif isinstance(node, Const):
-            self._const(node.value, v, d)
-        elif isinstance(node, Same):
-            k = self._k(node.ref)
-            self._fail_unless(d, f"{v} is {k}()" if node.weak else f"{v} is {k}")
-        elif isinstance(node, Unchecked):
-            pass
-        elif isinstance(node, Alias):
-            self._fail_unless(d, f"{v} is {self.names[id(node.target)]}")
-        elif isinstance(node, Seq):
-            self._fail_unless(
-                d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
-            )
-            for i, child in enumerate(node.items):
-                w = self._v()
-                self._emit(d, f"{w} = {v}[{i}]")
-                self._gen(child, w, d)
-        elif isinstance(node, Map):
-            self._fail_unless(
-                d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
-            )
-            for key, child in node.items:
-                w = self._v()
-                self._emit(d, f"{w} = {v}.get({self._k(key)}, MISSING)")
-                self._gen(child, w, d)
-        elif isinstance(node, Func):
-            self._func(node, v, d)  # type: ignore[arg-type]  # roots and children have a name
-        elif isinstance(node, Method):
-            self._fail_unless(d, f"type({v}) is MethodType")
-            for attr, child in (("__self__", node.self_), ("__func__", node.func)):
-                w = self._v()
-                self._emit(d, f"{w} = {v}.{attr}")
-                self._gen(child, w, d)
-        elif isinstance(node, Partial):
-            self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
-            for attr, child in (
-                ("func", node.func),
-                ("args", node.args),
-                ("keywords", node.keywords),
-            ):
-                w = self._v()
-                self._emit(d, f"{w} = {v}.{attr}")
-                self._gen(child, w, d)
-        elif isinstance(node, Jitted):
-            self._fail_unless(d, f"type({v}) is {self._k(_JITTED_TYPE)}")
-            w = self._v()
-            self._emit(d, f"{w} = getattr({v}, '__wrapped__', MISSING)")
-            self._gen(node.inner, w, d)
-        elif isinstance(node, Descr):
-            self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
-            w = self._v()
-            self._emit(d, f"{w} = {v}.{node.attr}")
-            self._gen(node.inner, w, d)
-        elif isinstance(node, Obj):
-            self._fail_unless(d, f"type({v}) is {self._k(node.type.ref)}()")
-            if node.attrs:
-                dv = self._v()
-                self._emit(d, f"{dv} = {v}.__dict__")
-                self._fail_unless(d, f"len({dv}) == {len(node.attrs)}")
-                for name, child in node.attrs:
-                    w = self._v()
-                    self._emit(d, f"{w} = {dv}.get({name!r}, MISSING)")
-                    self._gen(child, w, d)
-            for name, child in node.slots:
-                w = self._v()
-                self._emit(d, f"{w} = getattr({v}, {name!r}, MISSING)")
-                self._gen(child, w, d)
-        elif isinstance(node, Tree):
-            leaves, td = self._v(), self._v()
-            self._emit(d, f"{leaves}, {td} = flatten({v})")
-            self._fail_unless(d, f"{td} == {self._k(node.treedef)}")
-            if all(isinstance(leaf, Array) for leaf in node.leaves):
-                self._fail_unless(
-                    d, f"ARR.issuperset(map(type, {leaves})) or all(map(isarr, {leaves}))"
-                )
-                self._emit(d, f"out.extend({leaves})")
-            else:
-                for i, leaf in enumerate(node.leaves):
-                    w = self._v()
-                    self._emit(d, f"{w} = {leaves}[{i}]")
-                    self._gen(leaf, w, d)
-        elif isinstance(node, ParamsNode):
-            from ._params import Params
-
-            self._fail_unless(d, f"type({v}) is {self._k(Params)}")
-            w = self._v()
-            self._emit(d, f"{w} = {v}._sources")
-            self._gen(node.source, w, d)
-        elif isinstance(node, Fixed):
-            obj = self._v()
-            self._emit(d, f"{obj} = {self._k(node.obj.ref)}()")
-            self._func(node.func, obj, d)  # type: ignore[arg-type]  # Fixed holds a Func
-        elif isinstance(node, Attrs):
-            obj = self._v()
-            k = self._k(node.obj.ref)
-            self._emit(d, f"{obj} = {k}()" if node.obj.weak else f"{obj} = {k}")
-            self._fail_unless(d, f"{obj} is not None")
-            dv = self._v()
-            self._emit(d, f"{dv} = vars({obj})")
-            for name, child in node.attrs:
-                w = self._v()
-                self._emit(d, f"{w} = {dv}.get({name!r}, MISSING)")
-                self._gen(child, w, d)
-        else:  # pragma: no cover - every node type is handled above
-            raise AssertionError(type(node))
-
-    def _const(self, value: Any, v: str | None, d: int) -> None:
-        if value is None or value is True or value is False or value is Ellipsis:
-            self._fail_unless(d, f"{v} is {value!r}")
-        elif isinstance(value, float) and value != value:
-            self._fail_unless(d, f"type({v}) is float and {v} != {v}")
-        else:
-            k = self._k(value)
-            self._fail_unless(d, f"{v} is {k} or (type({v}) is type({k}) and {v} == {k})")
-
-    def _func(self, node: Func, v: str, d: int) -> None:
-        self._fail_unless(d, f"type({v}) is FunctionType and {v}.__code__ is {self._k(node.code)}")
-        if node.cells:
-            cl = self._v()
-            self._emit(d, f"{cl} = {v}.__closure__")
-            for i, child in enumerate(node.cells):
-                if child is None:
-                    self._emit(d, "try:")
-                    self._emit(d + 1, f"{cl}[{i}].cell_contents")
-                    self._emit(d, "except ValueError:")
-                    self._emit(d + 1, "pass")
-                    self._emit(d, "else:")
-                    self._emit(d + 1, "return None")
-                    continue
-                w = self._v()
-                self._emit(d, "try:")
-                self._emit(d + 1, f"{w} = {cl}[{i}].cell_contents")
-                self._emit(d, "except ValueError:")
-                self._emit(d + 1, "return None")
-                self._gen(child, w, d)
-        if node.globals:
-            g = self._v()
-            self._emit(d, f"{g} = {v}.__globals__")
-            for name, child in node.globals:
-                if child is None:
-                    self._fail_unless(d, f"{name!r} not in {g}")
-                    continue
-                w = self._v()
-                self._emit(d, f"{w} = {g}.get({name!r}, MISSING)")
-                self._gen(child, w, d)
-        for attr, child in (("__defaults__", node.defaults), ("__kwdefaults__", node.kwdefaults)):
-            w = self._v()
-            self._emit(d, f"{w} = {v}.{attr}")
-            if child is None:
-                self._fail_unless(d, f"{w} is None")
-            else:
-                self._gen(child, w, d)
-
-
-# --- swapping values into the places, and back ----------------------------------
-
-
-class CannotSwap(TypeError):
-    """A place that cannot be written (an immutable object that is not a tuple)."""
-
-
-class Swap:
-    """Writes new values into the places of a node tree, in the user's own objects.
-
-    `values[place]` is the new value of each place (`MISSING`: leave it). Every
-    write is recorded, so `restore()` puts back exactly what was there. While
-    tracing, `inline` replaces `jax.jit` helpers by their wrapped function.
-    """
-
-    def __init__(self, values: list[Any], *, inline: bool = True, record: bool = True):
-        self.values = values
-        self.inline = inline
-        self.record = record
-        self.undo: list[Callable[[], None]] = []
-
-    def restore(self) -> None:
-        while self.undo:
-            self.undo.pop()()
-
-    def _log(self, fn: Callable[[], None]) -> None:
-        if self.record:
-            self.undo.append(fn)
-
-    def put(self, node: Node, v: Any) -> Any:
-        """Write into `v` in place; return `v`, or its replacement if `v` is immutable."""
-        if isinstance(node, Array):
-            new = self.values[node.place]
-            return v if new is MISSING else new
-        if isinstance(node, Seq):
-            if type(v) is list:
-                for i, child in enumerate(node.items):
-                    self._set_item(v, i, self.put(child, v[i]))
-                return v
-            items = [self.put(child, x) for child, x in zip(node.items, v, strict=True)]
-            if all(a is b for a, b in zip(items, v, strict=True)):
-                return v
-            return type(v)._make(items) if hasattr(v, "_fields") else type(v)(items)
-        if isinstance(node, Map):
-            for key, child in node.items:
-                self._set_item(v, key, self.put(child, v[key]))
-            return v
-        if isinstance(node, Func):
-            self._func(node, v)
-            return v
-        if isinstance(node, Method):
-            if self.put(node.self_, v.__self__) is not v.__self__:
-                raise CannotSwap(f"cannot write into the object bound to {v!r}")
-            self.put(node.func, v.__func__)
-            return v
-        if isinstance(node, Partial):
-            func = self.put(node.func, v.func)
-            args = self.put(node.args, v.args)
-            self.put(node.keywords, v.keywords)
-            if func is not v.func or args is not v.args:
-                old = v.__reduce__()[2]
-                self._log(lambda: v.__setstate__(old))
-                v.__setstate__((func, args, v.keywords, getattr(v, "__dict__", None) or None))
-            return v
-        if isinstance(node, Jitted):
-            inner = v if type(v) is types.FunctionType else v.__wrapped__
-            self.put(node.inner, inner)
-            return inner if self.inline else v
-        if isinstance(node, Descr):
-            self.put(node.inner, getattr(v, node.attr))
-            return v
-        if isinstance(node, Obj):
-            d = getattr(v, "__dict__", None)
-            for name, child in node.attrs:
-                self._set_item(d, name, self.put(child, d[name]))  # type: ignore[index]
-            for name, child in node.slots:
-                self._set_attr(v, name, self.put(child, getattr(v, name)))
-            return v
-        if isinstance(node, Tree):
-            return self._tree(node, v)
-        if isinstance(node, ParamsNode):
-            self.put(node.source, v._sources)  # a list: rebound in place
-            return v
-        if isinstance(node, Fixed):
-            self._func(node.func, node.obj.get())  # type: ignore[arg-type]  # Fixed holds a Func
-            return v
-        if isinstance(node, Attrs):
-            obj = node.obj.get()
-            d = vars(obj)
-            for name, child in node.attrs:
-                new = self.put(child, d[name])
-                if new is not d[name]:
-                    self._set_attr(obj, name, new, plain=False)
-            return obj
-        return v  # Const, Same, Unchecked, Alias: nothing to write
-
-    def _set_item(self, container: Any, key: Any, new: Any) -> None:
-        old = container[key]
-        if new is not old:
-            self._log(lambda: container.__setitem__(key, old))
-            container[key] = new
-
-    def _set_attr(self, obj: Any, name: str, new: Any, plain: bool = True) -> None:
-        old = getattr(obj, name)
-        if new is old:
-            return
-        # Frozen dataclass-style models (equinox) refuse setattr; object.__setattr__
-        # is how their own tree-surgery helpers write, and it cannot be intercepted.
-        setter = object.__setattr__ if plain else setattr
-        self._log(lambda: setter(obj, name, old))
-        setter(obj, name, new)
-
-    def _func(self, node: Func, fn: types.FunctionType) -> None:
-        for cell, child in zip(fn.__closure__ or (), node.cells, strict=True):
-            if child is None:
-                continue
-            old = cell.cell_contents
-            new = self.put(child, old)
-            if new is not old:
-                self._log(lambda cell=cell, old=old: setattr(cell, "cell_contents", old))
-                cell.cell_contents = new
-        g = fn.__globals__
-        for name, child in node.globals:
-            if child is not None:
-                self._set_item(g, name, self.put(child, g[name]))
-        if node.defaults is not None:
-            defaults = self.put(node.defaults, fn.__defaults__)
-            if defaults is not fn.__defaults__:
-                self._set_attr(fn, "__defaults__", defaults, plain=False)
-        if node.kwdefaults is not None:
-            self.put(node.kwdefaults, fn.__kwdefaults__)
-
-    def _tree(self, node: Tree, v: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten(v)
-        new = [self.put(child, x) for child, x in zip(node.leaves, leaves, strict=True)]
-        changed = {id(a): b for a, b in zip(leaves, new, strict=True) if a is not b}
-        if not changed:
-            return v
-        try:
-            rebind(v, changed)
-        except TypeError:
-            # Not writable in place (an immutable pytree): the parent rebinds a new one.
-            return jax.tree_util.tree_unflatten(treedef, new)
-        self._log(lambda: _restore_tree(v, treedef, leaves))
-        return v
-
-
-def _restore_tree(v: Any, treedef: Any, leaves: list[Any]) -> None:
-    """Put the original leaves back by position, whatever the trace rebound meanwhile."""
-    now, now_def = jax.tree_util.tree_flatten(v)
-    if now_def != treedef:
-        raise Unsettled(f"the structure of a captured {type(v).__name__} changed while tracing")
-    back = {id(b): a for a, b in zip(leaves, now, strict=True) if a is not b}
-    if back:
-        rebind(v, back)
-
-
-# --- after a trace: what the function changed ------------------------------------
-
-
-class Unsettled(Exception):
-    """The trace changed where arrays live (not only their values): not cacheable."""
-
-
-class Settle:
-    """Compare the places after a trace with what was put there.
-
-    Array places now holding another array were rebound by the function (an
-    in-place update): they go into `written`. Numbers and containers the
-    function changed itself (counters, logs) are demoted to `Unchecked`: they
-    are its outputs, not its inputs. `node(n, v)` returns the node to guard from now on.
-    """
-
-    def __init__(self, put: list[Any], written: dict[int, Any]):
-        self.put = put
-        self.written = written
-        self.values: dict[int, Any] = {}
-        self.demoted = False
-
-    def _demote(self, node: Node, v: Any) -> Node:
-        if _has_places(node) or is_array(v):
-            raise Unsettled
-        if not isinstance(node, Unchecked):
-            self.demoted = True
-        return Unchecked()
-
-    def _container(self, node: Node, children: list[Node]) -> Node:
-        # A container the function wrote into (a counter dict, a log list) is its
-        # output as a whole: another function's writes to it must not invalidate
-        # this one's guard.
-        if any(isinstance(c, Unchecked) for c in children) and not _has_places(node):
-            self.demoted = True
-            return Unchecked()
-        return node
-
-    def node(self, node: Node, v: Any) -> Node:
-        self.values[id(node)] = v
-        if isinstance(node, Array):
-            if v is not self.put[node.place]:
-                if not is_array(v):
-                    raise Unsettled
-                self.written[node.place] = v
-            return node
-        if isinstance(node, Const):
-            if v is node.value or (type(v) is type(node.value) and _equal(v, node.value)):
-                return node
-            return self._demote(node, v)
-        if isinstance(node, Same):
-            return node if v is node.get() else self._demote(node, v)
-        if isinstance(node, Unchecked):
-            if is_array(v):
-                raise Unsettled
-            return node
-        if isinstance(node, Alias):
-            if v is not self.values.get(id(node.target)):
-                raise Unsettled
-            return node
-        if isinstance(node, Seq):
-            if type(v) is not node.type or len(v) != len(node.items):
-                return self._demote(node, v)
-            node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
-            return self._container(node, [c for c in node.items])
-        if isinstance(node, Map):
-            if type(v) is not node.type or len(v) != len(node.items):
-                return self._demote(node, v)
-            items = []
-            for key, child in node.items:
-                if key not in v:
-                    return self._demote(node, v)
-                items.append((key, self.node(child, v[key])))
-            node.items = items
-            return self._container(node, [c for _, c in items])
-        if isinstance(node, Func):
-            if type(v) is not types.FunctionType or v.__code__ is not node.code:
-                return self._demote(node, v)
-            cells = []
-            for cell, child in zip(v.__closure__ or (), node.cells, strict=True):
-                try:
-                    value = cell.cell_contents
-                except ValueError:
-                    value = MISSING
-                if child is None:
-                    cells.append(None if value is MISSING else self._demote(Unchecked(), value))
-                else:
-                    cells.append(
-                        self._demote(child, value) if value is MISSING else self.node(child, value)
-                    )
-            node.cells = cells
-            g = v.__globals__
-            names: list[tuple[str, Node | None]] = []
-            for name, child in node.globals:
-                value = g.get(name, MISSING)
-                if child is None:
-                    names.append(
-                        (name, None if value is MISSING else self._demote(Unchecked(), value))
-                    )
-                else:
-                    names.append(
-                        (
-                            name,
-                            self._demote(child, value)
-                            if value is MISSING
-                            else self.node(child, value),
-                        )
-                    )
-            node.globals = names
-            if node.defaults is not None:
-                node.defaults = self.node(node.defaults, v.__defaults__)
-            if node.kwdefaults is not None:
-                node.kwdefaults = self.node(node.kwdefaults, v.__kwdefaults__)
-            return node
-        if isinstance(node, Method):
-            if type(v) is not types.MethodType:
-                return self._demote(node, v)
-            node.self_ = self.node(node.self_, v.__self__)
-            node.func = self.node(node.func, v.__func__)
-            return node
-        if isinstance(node, Partial):
-            if type(v) is not node.type:
-                return self._demote(node, v)
-            node.func = self.node(node.func, v.func)
-            node.args = self.node(node.args, v.args)
-            node.keywords = self.node(node.keywords, v.keywords)
-            return node
-        if isinstance(node, Jitted):
-            inner = v if type(v) is types.FunctionType else getattr(v, "__wrapped__", MISSING)
-            node.inner = self.node(node.inner, inner)
-            return node
-        if isinstance(node, Descr):
-            if type(v) is not node.type:
-                return self._demote(node, v)
-            node.inner = self.node(node.inner, getattr(v, node.attr))
-            return node
-        if isinstance(node, Obj):
-            if type(v) is not node.type.get():
-                return self._demote(node, v)
-            d = getattr(v, "__dict__", {})
-            if len(d) != len(node.attrs) or any(k not in d for k, _ in node.attrs):
-                return self._demote(node, v)
-            node.attrs = [(k, self.node(c, d[k])) for k, c in node.attrs]
-            node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
-            return node
-        if isinstance(node, Tree):
-            leaves, treedef = jax.tree_util.tree_flatten(v)
-            if treedef != node.treedef:
-                return self._demote(node, v)
-            node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]
-            return node
-        if isinstance(node, ParamsNode):
-            node.source = self.node(node.source, v._sources)
-            return node
-        if isinstance(node, Fixed):
-            node.func = self.node(node.func, node.obj.get())
-            return node
-        if isinstance(node, Attrs):
-            d = vars(node.obj.get())
-            attrs = []
-            for name, child in node.attrs:
-                value = d.get(name, MISSING)
-                attrs.append(
-                    (
-                        name,
-                        self._demote(child, value) if value is MISSING else self.node(child, value),
-                    )
-                )
-            node.attrs = attrs
-            return node
-        raise AssertionError(type(node))  # pragma: no cover
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and a != a:
-        return b != b
-    return bool(a == b)
 
 
 def children(node: Node) -> list[Node]:
@@ -1240,5 +704,5 @@ def _arrays(nodes: list[Node]) -> list[Array]:
     return out
 
 
-def _has_places(node: Node) -> bool:
-    return isinstance(node, Array) or any(_has_places(c) for c in children(node))
+def has_places(node: Node) -> bool:
+    return isinstance(node, Array) or any(has_places(c) for c in children(node))

@@ -20,6 +20,7 @@ import jax
 
 from . import _engine as E
 from . import _guard as G
+from . import _programs as P
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
 
@@ -88,9 +89,9 @@ class Jitted:
         for i, a in enumerate(args):
             if i in self._static:
                 static.append((i, _hashed(a, f"argument {i}")))
-                pos.append(E.RootArg(-1 - len(static)))
+                pos.append(P.RootArg(-1 - len(static)))
             elif isinstance(a, _FUNCTION_TYPES):
-                pos.append(E.RootArg(len(roots) - 1))
+                pos.append(P.RootArg(len(roots) - 1))
                 roots.append(a)
             else:
                 pos.append(a)
@@ -98,9 +99,9 @@ class Jitted:
         for k, a in kwargs.items():
             if k in self._static_names:
                 static.append((k, _hashed(a, f"argument {k!r}")))
-                kw[k] = E.RootArg(-1 - len(static))
+                kw[k] = P.RootArg(-1 - len(static))
             elif isinstance(a, _FUNCTION_TYPES):
-                kw[k] = E.RootArg(len(roots) - 1)
+                kw[k] = P.RootArg(len(roots) - 1)
                 roots.append(a)
             else:
                 kw[k] = a
@@ -108,7 +109,7 @@ class Jitted:
 
         def make(call: E.Call) -> E.Entry:
             return E.Entry(
-                E.CALL,
+                P.CALL,
                 "tg.jit",
                 options,
                 call,
@@ -119,7 +120,7 @@ class Jitted:
             )
 
         _, (_, packed, _) = E.execute(
-            E.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
+            P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
         )
         return packed.value()
 
@@ -197,7 +198,8 @@ def _prefix_leaves(prefix: Any, entry: E.Entry, pos_def: Any) -> list[Any]:
         )
     leaves: list[Any] = []
     for p, a in zip(prefix, args, strict=True):
-        p_leaves, p_def = jax.tree_util.tree_flatten(p, is_leaf=lambda x: x is None)
+        p_leaves, p_treedef = jax.tree_util.tree_flatten(p, is_leaf=lambda x: x is None)
+        p_def: Any = p_treedef  # jaxlib's stub lacks flatten_up_to
         try:
             subtrees = p_def.flatten_up_to(a)
         except (ValueError, TypeError) as e:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 if TYPE_CHECKING:
     from ._module import Module
-    from ._optstate import Leaf, OptState, SubState
+    from ._optview import Leaf, OptState, SubState
     from ._params import Grads, Params
 
 PyTree: TypeAlias = Any

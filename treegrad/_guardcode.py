@@ -1,0 +1,249 @@
+"""The guard of a cache entry: straight-line Python generated from its node tree.
+
+A cache hit runs this instead of walking the function again: one flat
+function with one check per place the function can read a value from, which
+returns the arrays in place order (or None when anything changed). Code
+generation is what TorchDynamo does for its guards; here it keeps a hit at a
+few attribute and dict reads per captured value, and no Python objects per
+array.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._guard import (
+    _ARRAY_TYPES,
+    _JITTED_TYPE,
+    MISSING,
+    Alias,
+    Array,
+    Attrs,
+    Const,
+    Descr,
+    Fixed,
+    Func,
+    Jitted,
+    Map,
+    Method,
+    Node,
+    Obj,
+    ParamsNode,
+    Partial,
+    Same,
+    Seq,
+    Tree,
+    Unchecked,
+    is_array,
+)
+
+
+class Guard:
+    """`guard(*roots)` returns the arrays at every place, in place order, or None.
+
+    Generated once per cache entry from its node tree: one flat function with
+    one check per place, so a hit costs a few attribute and dict reads per
+    value the function can read, and no Python objects per array.
+    """
+
+    def __init__(self, roots: list[Node], absolute: list[Node]):
+        self.ns: dict[str, Any] = {
+            "ARR": _ARRAY_TYPES,
+            "isarr": is_array,
+            "MISSING": MISSING,
+            "FunctionType": types.FunctionType,
+            "MethodType": types.MethodType,
+            "flatten": jax.tree_util.tree_flatten,
+        }
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+        self.n = 0
+        args = [f"r{i}" for i in range(len(roots))]
+        for node, arg in zip(roots, args, strict=True):
+            self._gen(node, arg, 1)
+        for node in absolute:
+            self._gen(node, None, 1)
+        body = "\n".join(self.lines) or "    pass"
+        head = f"def guard({', '.join(args)}):\n    out = []\n    push = out.append\n"
+        src = f"{head}{body}\n    return out\n"
+        exec(compile(src, "<treegrad guard>", "exec"), self.ns)
+        self.check: Callable[..., list[Any] | None] = self.ns["guard"]
+        self.source = src
+
+    def _k(self, obj: Any) -> str:
+        name = f"K{len(self.ns)}"
+        self.ns[name] = obj
+        return name
+
+    def _v(self) -> str:
+        self.n += 1
+        return f"v{self.n}"
+
+    def _emit(self, depth: int, line: str) -> None:
+        self.lines.append("    " * depth + line)
+
+    def _fail_unless(self, depth: int, cond: str) -> None:
+        self._emit(depth, f"if not ({cond}): return None")
+
+    def _gen(self, node: Node, v: str | None, d: int) -> None:
+        if v is not None:
+            self.names[id(node)] = v
+        if isinstance(node, Array):
+            self._fail_unless(d, f"type({v}) in ARR or isarr({v})")
+            self._emit(d, f"push({v})")
+        elif isinstance(node, Const):
+            self._const(node.value, v, d)
+        elif isinstance(node, Same):
+            k = self._k(node.ref)
+            self._fail_unless(d, f"{v} is {k}()" if node.weak else f"{v} is {k}")
+        elif isinstance(node, Unchecked):
+            pass
+        elif isinstance(node, Alias):
+            self._fail_unless(d, f"{v} is {self.names[id(node.target)]}")
+        elif isinstance(node, Seq):
+            self._fail_unless(
+                d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
+            )
+            for i, child in enumerate(node.items):
+                w = self._v()
+                self._emit(d, f"{w} = {v}[{i}]")
+                self._gen(child, w, d)
+        elif isinstance(node, Map):
+            self._fail_unless(
+                d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
+            )
+            for key, child in node.items:
+                w = self._v()
+                self._emit(d, f"{w} = {v}.get({self._k(key)}, MISSING)")
+                self._gen(child, w, d)
+        elif isinstance(node, Func):
+            self._func(node, v, d)  # type: ignore[arg-type]  # roots and children have a name
+        elif isinstance(node, Method):
+            self._fail_unless(d, f"type({v}) is MethodType")
+            for attr, child in (("__self__", node.self_), ("__func__", node.func)):
+                w = self._v()
+                self._emit(d, f"{w} = {v}.{attr}")
+                self._gen(child, w, d)
+        elif isinstance(node, Partial):
+            self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
+            for attr, child in (
+                ("func", node.func),
+                ("args", node.args),
+                ("keywords", node.keywords),
+            ):
+                w = self._v()
+                self._emit(d, f"{w} = {v}.{attr}")
+                self._gen(child, w, d)
+        elif isinstance(node, Jitted):
+            self._fail_unless(d, f"type({v}) is {self._k(_JITTED_TYPE)}")
+            w = self._v()
+            self._emit(d, f"{w} = getattr({v}, '__wrapped__', MISSING)")
+            self._gen(node.inner, w, d)
+        elif isinstance(node, Descr):
+            self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
+            w = self._v()
+            self._emit(d, f"{w} = {v}.{node.attr}")
+            self._gen(node.inner, w, d)
+        elif isinstance(node, Obj):
+            self._fail_unless(d, f"type({v}) is {self._k(node.type.ref)}()")
+            if node.attrs:
+                dv = self._v()
+                self._emit(d, f"{dv} = {v}.__dict__")
+                self._fail_unless(d, f"len({dv}) == {len(node.attrs)}")
+                for name, child in node.attrs:
+                    w = self._v()
+                    self._emit(d, f"{w} = {dv}.get({name!r}, MISSING)")
+                    self._gen(child, w, d)
+            for name, child in node.slots:
+                w = self._v()
+                self._emit(d, f"{w} = getattr({v}, {name!r}, MISSING)")
+                self._gen(child, w, d)
+        elif isinstance(node, Tree):
+            leaves, td = self._v(), self._v()
+            self._emit(d, f"{leaves}, {td} = flatten({v})")
+            self._fail_unless(d, f"{td} == {self._k(node.treedef)}")
+            if all(isinstance(leaf, Array) for leaf in node.leaves):
+                self._fail_unless(
+                    d, f"ARR.issuperset(map(type, {leaves})) or all(map(isarr, {leaves}))"
+                )
+                self._emit(d, f"out.extend({leaves})")
+            else:
+                for i, leaf in enumerate(node.leaves):
+                    w = self._v()
+                    self._emit(d, f"{w} = {leaves}[{i}]")
+                    self._gen(leaf, w, d)
+        elif isinstance(node, ParamsNode):
+            from ._params import Params
+
+            self._fail_unless(d, f"type({v}) is {self._k(Params)}")
+            w = self._v()
+            self._emit(d, f"{w} = {v}._sources")
+            self._gen(node.source, w, d)
+        elif isinstance(node, Fixed):
+            obj = self._v()
+            self._emit(d, f"{obj} = {self._k(node.obj.ref)}()")
+            self._func(node.func, obj, d)  # type: ignore[arg-type]  # Fixed holds a Func
+        elif isinstance(node, Attrs):
+            obj = self._v()
+            k = self._k(node.obj.ref)
+            self._emit(d, f"{obj} = {k}()" if node.obj.weak else f"{obj} = {k}")
+            self._fail_unless(d, f"{obj} is not None")
+            dv = self._v()
+            self._emit(d, f"{dv} = vars({obj})")
+            for name, child in node.attrs:
+                w = self._v()
+                self._emit(d, f"{w} = {dv}.get({name!r}, MISSING)")
+                self._gen(child, w, d)
+        else:  # pragma: no cover - every node type is handled above
+            raise AssertionError(type(node))
+
+    def _const(self, value: Any, v: str | None, d: int) -> None:
+        if value is None or value is True or value is False or value is Ellipsis:
+            self._fail_unless(d, f"{v} is {value!r}")
+        elif isinstance(value, float) and value != value:
+            self._fail_unless(d, f"type({v}) is float and {v} != {v}")
+        else:
+            k = self._k(value)
+            self._fail_unless(d, f"{v} is {k} or (type({v}) is type({k}) and {v} == {k})")
+
+    def _func(self, node: Func, v: str, d: int) -> None:
+        self._fail_unless(d, f"type({v}) is FunctionType and {v}.__code__ is {self._k(node.code)}")
+        if node.cells:
+            cl = self._v()
+            self._emit(d, f"{cl} = {v}.__closure__")
+            for i, child in enumerate(node.cells):
+                if child is None:
+                    self._emit(d, "try:")
+                    self._emit(d + 1, f"{cl}[{i}].cell_contents")
+                    self._emit(d, "except ValueError:")
+                    self._emit(d + 1, "pass")
+                    self._emit(d, "else:")
+                    self._emit(d + 1, "return None")
+                    continue
+                w = self._v()
+                self._emit(d, "try:")
+                self._emit(d + 1, f"{w} = {cl}[{i}].cell_contents")
+                self._emit(d, "except ValueError:")
+                self._emit(d + 1, "return None")
+                self._gen(child, w, d)
+        if node.globals:
+            g = self._v()
+            self._emit(d, f"{g} = {v}.__globals__")
+            for name, child in node.globals:
+                if child is None:
+                    self._fail_unless(d, f"{name!r} not in {g}")
+                    continue
+                w = self._v()
+                self._emit(d, f"{w} = {g}.get({name!r}, MISSING)")
+                self._gen(child, w, d)
+        for attr, child in (("__defaults__", node.defaults), ("__kwdefaults__", node.kwdefaults)):
+            w = self._v()
+            self._emit(d, f"{w} = {v}.{attr}")
+            if child is None:
+                self._fail_unless(d, f"{w} is None")
+            else:
+                self._gen(child, w, d)

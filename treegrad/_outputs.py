@@ -1,0 +1,182 @@
+"""What a compiled program returns, and how it is unpacked after the call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class _Dyn:
+    """Marks an array leaf among a tree's static leaves."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+DYN = _Dyn()
+
+
+def uniq(xs: list[Any]) -> tuple[list[Any], tuple[int, ...] | None]:
+    """`xs` without repeated objects, and where each came from (None: no repeats)."""
+    if len(set(map(id, xs))) == len(xs):
+        return xs, None
+    index: dict[int, int] = {}
+    out: list[Any] = []
+    slots = []
+    for x in xs:
+        j = index.get(id(x))
+        if j is None:
+            j = index[id(x)] = len(out)
+            out.append(x)
+        slots.append(j)
+    return out, tuple(slots)
+
+
+def expand(values: Sequence[Any], slots: tuple[int, ...] | None) -> list[Any]:
+    """Undo `uniq`: one value per original position."""
+    return list(values) if slots is None else [values[s] for s in slots]
+
+
+class _Aux:
+    """Non-array parts of an output, carried through `jax.jit` as static data."""
+
+    __slots__ = ("statics", "treedef")
+
+    def __init__(self, treedef: Any, statics: tuple[Any, ...]):
+        self.treedef = treedef
+        self.statics = statics
+
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        it = iter(arrays)
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [next(it) if s is DYN else s for s in self.statics]
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Aux)
+            and self.treedef == other.treedef
+            and len(self.statics) == len(other.statics)
+            and all(a is b or _same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.treedef)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+jax.tree_util.register_pytree_node(_Aux, lambda a: ((), a), lambda a, _: a)
+
+
+class Packed:
+    """A traced function's output as returned by `jax.jit`.
+
+    When every leaf of the output is an array, the output tree itself is the
+    payload (jax rebuilds it in C++); otherwise the arrays travel flat and the
+    static leaves ride in `aux`.
+    """
+
+    __slots__ = ("aux", "payload")
+
+    def __init__(self, payload: Any, aux: _Aux | None):
+        self.payload = payload
+        self.aux = aux
+
+    def value(self) -> Any:
+        return self.payload if self.aux is None else self.aux.rebuild(self.payload)
+
+
+jax.tree_util.register_pytree_node(
+    Packed, lambda p: ((p.payload,), p.aux), lambda a, c: Packed(c[0], a)
+)
+
+
+def split_output(out: Any) -> tuple[list[Any], _Aux]:
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    arrays = []
+    statics = []
+    for leaf in leaves:
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            arrays.append(leaf)
+            statics.append(DYN)
+        else:
+            statics.append(leaf)
+    return arrays, _Aux(treedef, tuple(statics))
+
+
+def pack(out: Any) -> Packed:
+    arrays, aux = split_output(out)
+    if all(s is DYN for s in aux.statics):
+        return Packed(out, None)
+    return Packed(arrays, aux)
+
+
+class Written:
+    """Arrays the traced function rebound in its captured places, to write back after a call."""
+
+    __slots__ = ("index", "places", "values")
+
+    def __init__(self, places: tuple[int, ...], index: tuple[int, ...], values: list[Any]):
+        self.places = places
+        self.index = index
+        self.values = values
+
+    @classmethod
+    def of(cls, written: dict[int, Any]) -> Written:
+        places = tuple(sorted(written))
+        # A tied weight rebound at two places is one new array: one output, one object after.
+        values, slots = uniq([written[p] for p in places])
+        index = tuple(range(len(values))) if slots is None else slots
+        return cls(places, index, values)
+
+
+jax.tree_util.register_pytree_node(
+    Written,
+    lambda w: (w.values, (w.places, w.index)),
+    lambda aux, values: Written(aux[0], aux[1], list(values)),
+)
+
+
+def scalar_loss(value: Any, api: str) -> Any:
+    """Check that `value` is a real scalar and return it as an array."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return jnp.asarray(value, dtype=float)
+    if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        raise TypeError(
+            f"{api}: the function must return a real scalar, but it returned a "
+            f"{type(value).__name__}. Return a scalar loss (reduce with jnp.sum or jnp.mean); "
+            "for the derivatives of a vector output use tg.jacobian."
+        )
+    if value.shape != ():
+        raise TypeError(
+            f"{api}: the function must return a real scalar, but it returned an array of "
+            f"shape {value.shape}. Reduce it to a scalar (jnp.sum, jnp.mean), or use "
+            "tg.jacobian for the derivatives of a vector output."
+        )
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"{api}: the function must return a real floating-point scalar, but it returned "
+            f"dtype {value.dtype}. Cast the loss to a float (or use tg.jacobian for a complex "
+            "output)."
+        )
+    return value
+
+
+def conj(g: Any) -> Any:
+    # Steepest ascent for complex parameters (API.md §1): df/dx + i df/dy, the
+    # conjugate of what jax returns, so that `p - lr * g` and optax descend.
+    return jnp.conj(g) if jnp.iscomplexobj(g) else g

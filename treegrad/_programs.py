@@ -1,0 +1,302 @@
+"""Tracing: the user's function run on its own objects, holding tracers, and
+differentiated as each front end asks (gradient, pullback, Jacobian, Hessian,
+plain call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _guard as G
+from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
+from ._swap import Settle, Swap, Unsettled
+
+if TYPE_CHECKING:
+    from ._engine import Entry
+
+GRAD = "grad"  # value and gradient of a scalar output
+PULLBACK = "pullback"  # value and a vector-Jacobian product closure
+JACOBIAN = "jacobian"
+HESSIAN = "hessian"
+CALL = "call"  # plain compiled call (tg.jit)
+
+_TRACE_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def trace(entry: Entry, dyn: list[Any], extra: tuple[Any, ...]) -> Any:
+    """The traced program: the user's function run on its own objects, holding tracers."""
+    roots = entry.stack[-1]
+    swap = Swap(expand(dyn[: entry.n_cl], entry.cl_slots))
+    try:
+        fns = [swap.put(node, root) for node, root in zip(entry.nodes, roots, strict=True)]
+        for node in entry.absolute:
+            swap.put(node, None)
+        return _PROGRAMS[entry.program](entry, fns, dyn, *extra)
+    finally:
+        swap.restore()
+
+
+def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -> Any:
+    """The user's function as a function of the `active` inputs (the rest held fixed).
+
+    Returns `call(*xs) -> (output, written)`, where `written` maps the places
+    the function rebound to their new values.
+    """
+
+    def call(*xs: Any) -> tuple[Any, dict[int, Any]]:
+        vals = list(dyn)
+        for i, x in zip(active, xs, strict=True):
+            vals[i] = x
+        per_place = expand(vals[: entry.n_cl], entry.cl_slots)
+        inner = None
+        if entry.implicit and active:
+            # Parameters live in the closure: put the differentiated tracers in their places.
+            chosen = set(active)
+            slots = entry.cl_slots or range(entry.n_cl)
+            inner = Swap(
+                [v if u in chosen else G.MISSING for u, v in zip(slots, per_place, strict=True)]
+            )
+            for node, fn in zip(entry.nodes, fns, strict=True):
+                inner.put(node, fn)
+            for node in entry.absolute:
+                inner.put(node, None)
+        try:
+            args = entry.args(vals[entry.n_cl :])
+            try:
+                if entry.program == CALL:
+                    pos, kw = args
+                    out = _call_with_roots(entry, fns, pos, kw)
+                else:
+                    out = fns[0](*args)
+            except _TRACE_ERRORS as e:
+                raise _traced_value_error(entry, e) from e
+            written: dict[int, Any] = {}
+            settle = Settle(per_place, written)
+            try:
+                roots = entry.stack[-1]
+                entry.nodes = [settle.node(n, r) for n, r in zip(entry.nodes, roots, strict=True)]
+                entry.absolute = [settle.node(n, None) for n in entry.absolute]
+            except Unsettled:
+                entry.cacheable = False
+                written = {}
+            entry.demoted = entry.demoted or settle.demoted
+            return out, written
+        finally:
+            if inner is not None:
+                inner.restore()
+
+    return call
+
+
+def _call_with_roots(entry: Entry, fns: list[Any], pos: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # tg.jit: callable arguments travel as roots and static arguments in the
+    # entry; their places in the arguments hold a marker for the real value.
+    statics = list(entry.statics.values())
+
+    def real(a: Any) -> Any:
+        if type(a) is not RootArg:
+            return a
+        return fns[a.k + 1] if a.k >= 0 else statics[-1 - a.k]
+
+    return fns[0](*map(real, pos), **{k: real(v) for k, v in kw.items()})
+
+
+class RootArg:
+    """Stands for the k-th callable argument of a `tg.jit` call in the static arguments."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is RootArg and other.k == self.k
+
+    def __hash__(self) -> int:
+        return hash((RootArg, self.k))
+
+    def __repr__(self) -> str:
+        return f"<callable argument {self.k}>"
+
+
+def _traced_value_error(entry: Entry, e: Exception) -> Exception:
+    where = _user_frame(e)
+    captured = ", ".join(entry.names[:6])
+    what = (
+        f" It reads these captured arrays, which are traced inputs: {captured}." if captured else ""
+    )
+    msg = (
+        f"{entry.api}: while tracing {where}, a traced array was used where a concrete Python "
+        f"value is needed ({type(e).__name__}: {str(e).splitlines()[0]}).{what} treegrad traces "
+        "every array the function reads (arguments, closure variables, globals) as an input, "
+        "so that it is never stale; its value is not known while compiling. Use a Python "
+        "value instead (e.g. mask.tolist(), or int(n) computed outside the function), use "
+        "jnp.where instead of boolean indexing, or pass the value to a tg.jit function listed "
+        "in static_argnums."
+    )
+    return TypeError(msg)
+
+
+def _user_frame(e: BaseException) -> str:
+    """The innermost frame of the user's own code in a traceback: `file:line`."""
+    tb = e.__traceback__
+    found = "the function"
+    while tb is not None:
+        frame = tb.tb_frame
+        name = frame.f_globals.get("__name__")
+        if not G.is_library_module(name) and "/treegrad/" not in frame.f_code.co_filename:
+            found = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
+
+
+def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
+    active = entry.active
+    call = _user(entry, fns, dyn, active)
+    has_aux = entry.options[0]
+
+    def loss_of(*xs: Any) -> Any:
+        out, written = call(*xs)
+        loss = out[0] if has_aux and isinstance(out, tuple) else out
+        return scalar_loss(loss, entry.api), (out if has_aux else None, written)
+
+    if active:
+        loss, vjp, (out, written) = jax.vjp(loss_of, *[dyn[i] for i in active], has_aux=True)
+        # The cotangent is an input (always 1), so that the jaxpr shows which
+        # gradients depend on it; the loss itself is an output only when asked
+        # for, so XLA drops the forward work the gradient does not need.
+        grads = [conj(g) for g in vjp(ct.astype(loss.dtype))]
+    else:
+        loss, (out, written) = loss_of()
+        grads = []
+    return _grads_out(entry, active, grads), pack(out), Written.of(written)
+
+
+def _grads_out(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any:
+    by_pos = dict(zip(active, grads, strict=True))
+    if entry.implicit:
+        return tuple(by_pos.get(i) for i in entry.wrt)
+    return entry.arg_trees(by_pos)
+
+
+def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    active = entry.active
+    call = _user(entry, fns, dyn, active)
+    holder: list[Any] = []
+
+    def outputs(*xs: Any) -> Any:
+        out, written = call(*xs)
+        arrays, aux = split_output(out)
+        holder.append(aux)
+        return arrays, written
+
+    arrays, vjp, written = jax.vjp(outputs, *[dyn[i] for i in active], has_aux=True)
+    entry.n_deps = len(arrays)
+    back = jax.tree_util.Partial(_back, vjp)
+    return arrays, Packed(arrays, holder[0]), back, Written.of(written)
+
+
+def _back(vjp: Any, dy: Any) -> list[Any]:
+    return [conj(g) for g in vjp(dy)]
+
+
+def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    active = entry.active
+    call = _user(entry, fns, dyn, active)
+
+    def y_of(*xs: Any) -> Any:
+        out, written = call(*xs)
+        if not isinstance(out, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{entry.api}: the function must return one array, got {type(out).__name__}. "
+                "Return a single array (stack several outputs with jnp.stack)."
+            )
+        return out, (out, written)
+
+    if active:
+        jacs, (y, written) = jax.jacrev(y_of, argnums=tuple(range(len(active))), has_aux=True)(
+            *[dyn[i] for i in active]
+        )
+    else:
+        _, (y, written) = y_of()
+        jacs = ()
+    entry.n_deps = 1
+    return [y], Packed(None, None), _grads_out(entry, active, jacs), Written.of(written)
+
+
+def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    # options[1]: the groups of wrt positions (one per argument); each argument's
+    # Hessian with respect to itself.
+    groups = entry.arg_groups()
+    call = _user(entry, fns, dyn, entry.active)
+    loss, written = call(*[dyn[i] for i in entry.active])
+    loss = scalar_loss(loss, entry.api)
+    result = []
+    for group in groups:
+        active = list(dict.fromkeys(i for i in group if i in entry.active))
+        fn = _user(entry, fns, dyn, active)
+        h = (
+            jax.hessian(
+                lambda *xs, fn=fn: scalar_loss(fn(*xs)[0], entry.api),
+                argnums=tuple(range(len(active))),
+            )(*[dyn[i] for i in active])
+            if active
+            else ()
+        )
+        index = {p: k for k, p in enumerate(active)}
+        result.append(
+            tuple(
+                tuple(
+                    None if i not in index or j not in index else h[index[i]][index[j]]
+                    for j in group
+                )
+                for i in group
+            )
+        )
+    entry.n_deps = 1
+    return [loss], Packed(None, None), tuple(result), Written.of(written)
+
+
+def _call_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
+    out, written = _user(entry, fns, dyn, ())()
+    if entry.out_shardings is not None:
+        out = jax.lax.with_sharding_constraint(out, entry.out_shardings)
+    entry.n_deps = 0
+    return [], pack(out), None, Written.of(written)
+
+
+_PROGRAMS: dict[str, Callable[..., Any]] = {
+    GRAD: _grad_program,
+    PULLBACK: _pullback_program,
+    JACOBIAN: _jacobian_program,
+    HESSIAN: _hessian_program,
+    CALL: _call_program,
+}
+
+
+_ONE: list[Any] = []
+
+
+def cotangent() -> Any:
+    # Made on first use, not at import: creating an array starts jax's backend,
+    # which must wait for jax.distributed.initialize in multi-process runs. The
+    # first use may be inside a trace, where jnp.ones would give a tracer.
+    if not _ONE:
+        with jax.ensure_compile_time_eval():
+            _ONE.append(jnp.ones((), jnp.float32))
+    return _ONE[0]
+
+
+def is_cotangent(x: Any) -> bool:
+    return bool(_ONE) and x is _ONE[0]

@@ -1,0 +1,376 @@
+"""Putting tracers into the places a function reads, and taking them out again.
+
+While the engine traces a function, `Swap` writes the tracers into the user's
+own cells, globals, containers and objects (recording every write so that
+`restore` undoes exactly them), so the function runs on its real objects. After
+the function ran, `Settle` compares the places with what was put there: arrays
+the function rebound become outputs to write back, values it changed itself
+(counters, logs) stop being checked by the guard.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._guard import (
+    MISSING,
+    Alias,
+    Array,
+    Attrs,
+    Const,
+    Descr,
+    Fixed,
+    Func,
+    Jitted,
+    Map,
+    Method,
+    Node,
+    Obj,
+    ParamsNode,
+    Partial,
+    Same,
+    Seq,
+    Tree,
+    Unchecked,
+    has_places,
+    is_array,
+)
+from ._paths import rebind
+
+
+class CannotSwap(TypeError):
+    """A place that cannot be written (an immutable object that is not a tuple)."""
+
+
+class Swap:
+    """Writes new values into the places of a node tree, in the user's own objects.
+
+    `values[place]` is the new value of each place (`MISSING`: leave it). Every
+    write is recorded, so `restore()` puts back exactly what was there. While
+    tracing, `inline` replaces `jax.jit` helpers by their wrapped function.
+    """
+
+    def __init__(self, values: list[Any], *, inline: bool = True, record: bool = True):
+        self.values = values
+        self.inline = inline
+        self.record = record
+        self.undo: list[Callable[[], None]] = []
+
+    def restore(self) -> None:
+        while self.undo:
+            self.undo.pop()()
+
+    def _log(self, fn: Callable[[], None]) -> None:
+        if self.record:
+            self.undo.append(fn)
+
+    def put(self, node: Node, v: Any) -> Any:
+        """Write into `v` in place; return `v`, or its replacement if `v` is immutable."""
+        if isinstance(node, Array):
+            new = self.values[node.place]
+            return v if new is MISSING else new
+        if isinstance(node, Seq):
+            if type(v) is list:
+                for i, child in enumerate(node.items):
+                    self._set_item(v, i, self.put(child, v[i]))
+                return v
+            items = [self.put(child, x) for child, x in zip(node.items, v, strict=True)]
+            if all(a is b for a, b in zip(items, v, strict=True)):
+                return v
+            return type(v)._make(items) if hasattr(v, "_fields") else type(v)(items)
+        if isinstance(node, Map):
+            for key, child in node.items:
+                self._set_item(v, key, self.put(child, v[key]))
+            return v
+        if isinstance(node, Func):
+            self._func(node, v)
+            return v
+        if isinstance(node, Method):
+            if self.put(node.self_, v.__self__) is not v.__self__:
+                raise CannotSwap(f"cannot write into the object bound to {v!r}")
+            self.put(node.func, v.__func__)
+            return v
+        if isinstance(node, Partial):
+            func = self.put(node.func, v.func)
+            args = self.put(node.args, v.args)
+            self.put(node.keywords, v.keywords)
+            if func is not v.func or args is not v.args:
+                old = v.__reduce__()[2]
+                self._log(lambda: v.__setstate__(old))
+                v.__setstate__((func, args, v.keywords, getattr(v, "__dict__", None) or None))
+            return v
+        if isinstance(node, Jitted):
+            inner = v if type(v) is types.FunctionType else v.__wrapped__
+            self.put(node.inner, inner)
+            return inner if self.inline else v
+        if isinstance(node, Descr):
+            self.put(node.inner, getattr(v, node.attr))
+            return v
+        if isinstance(node, Obj):
+            d = getattr(v, "__dict__", None)
+            for name, child in node.attrs:
+                self._set_item(d, name, self.put(child, d[name]))  # type: ignore[index]
+            for name, child in node.slots:
+                self._set_attr(v, name, self.put(child, getattr(v, name)))
+            return v
+        if isinstance(node, Tree):
+            return self._tree(node, v)
+        if isinstance(node, ParamsNode):
+            self.put(node.source, v._sources)  # a list: rebound in place
+            return v
+        if isinstance(node, Fixed):
+            self._func(node.func, node.obj.get())  # type: ignore[arg-type]  # Fixed holds a Func
+            return v
+        if isinstance(node, Attrs):
+            obj = node.obj.get()
+            d = vars(obj)
+            for name, child in node.attrs:
+                new = self.put(child, d[name])
+                if new is not d[name]:
+                    self._set_attr(obj, name, new, plain=False)
+            return obj
+        return v  # Const, Same, Unchecked, Alias: nothing to write
+
+    def _set_item(self, container: Any, key: Any, new: Any) -> None:
+        old = container[key]
+        if new is not old:
+            self._log(lambda: container.__setitem__(key, old))
+            container[key] = new
+
+    def _set_attr(self, obj: Any, name: str, new: Any, plain: bool = True) -> None:
+        old = getattr(obj, name)
+        if new is old:
+            return
+        # Frozen dataclass-style models (equinox) refuse setattr; object.__setattr__
+        # is how their own tree-surgery helpers write, and it cannot be intercepted.
+        setter = object.__setattr__ if plain else setattr
+        self._log(lambda: setter(obj, name, old))
+        setter(obj, name, new)
+
+    def _func(self, node: Func, fn: types.FunctionType) -> None:
+        for cell, child in zip(fn.__closure__ or (), node.cells, strict=True):
+            if child is None:
+                continue
+            old = cell.cell_contents
+            new = self.put(child, old)
+            if new is not old:
+                self._log(functools.partial(setattr, cell, "cell_contents", old))
+                cell.cell_contents = new
+        g = fn.__globals__
+        for name, child in node.globals:
+            if child is not None:
+                self._set_item(g, name, self.put(child, g[name]))
+        if node.defaults is not None:
+            defaults = self.put(node.defaults, fn.__defaults__)
+            if defaults is not fn.__defaults__:
+                self._set_attr(fn, "__defaults__", defaults, plain=False)
+        if node.kwdefaults is not None:
+            self.put(node.kwdefaults, fn.__kwdefaults__)
+
+    def _tree(self, node: Tree, v: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(v)
+        new = [self.put(child, x) for child, x in zip(node.leaves, leaves, strict=True)]
+        changed = {id(a): b for a, b in zip(leaves, new, strict=True) if a is not b}
+        if not changed:
+            return v
+        try:
+            rebind(v, changed)
+        except TypeError:
+            # Not writable in place (an immutable pytree): the parent rebinds a new one.
+            return jax.tree_util.tree_unflatten(treedef, new)
+        self._log(lambda: _restore_tree(v, treedef, leaves))
+        return v
+
+
+def _restore_tree(v: Any, treedef: Any, leaves: list[Any]) -> None:
+    """Put the original leaves back by position, whatever the trace rebound meanwhile."""
+    now, now_def = jax.tree_util.tree_flatten(v)
+    if now_def != treedef:
+        raise Unsettled(f"the structure of a captured {type(v).__name__} changed while tracing")
+    back = {id(b): a for a, b in zip(leaves, now, strict=True) if a is not b}
+    if back:
+        rebind(v, back)
+
+
+# --- after a trace: what the function changed ------------------------------------
+
+
+class Unsettled(Exception):
+    """The trace changed where arrays live (not only their values): not cacheable."""
+
+
+class Settle:
+    """Compare the places after a trace with what was put there.
+
+    Array places now holding another array were rebound by the function (an
+    in-place update): they go into `written`. Numbers and containers the
+    function changed itself (counters, logs) are demoted to `Unchecked`: they
+    are its outputs, not its inputs. `node(n, v)` returns the node to guard from now on.
+    """
+
+    def __init__(self, put: list[Any], written: dict[int, Any]):
+        self.put = put
+        self.written = written
+        self.values: dict[int, Any] = {}
+        self.demoted = False
+
+    def _demote(self, node: Node, v: Any) -> Node:
+        if has_places(node) or is_array(v):
+            raise Unsettled
+        if not isinstance(node, Unchecked):
+            self.demoted = True
+        return Unchecked()
+
+    def _container(self, node: Node, children: list[Node]) -> Node:
+        # A container the function wrote into (a counter dict, a log list) is its
+        # output as a whole: another function's writes to it must not invalidate
+        # this one's guard.
+        if any(isinstance(c, Unchecked) for c in children) and not has_places(node):
+            self.demoted = True
+            return Unchecked()
+        return node
+
+    def node(self, node: Node, v: Any) -> Node:
+        self.values[id(node)] = v
+        if isinstance(node, Array):
+            if v is not self.put[node.place]:
+                if not is_array(v):
+                    raise Unsettled
+                self.written[node.place] = v
+            return node
+        if isinstance(node, Const):
+            if v is node.value or (type(v) is type(node.value) and _equal(v, node.value)):
+                return node
+            return self._demote(node, v)
+        if isinstance(node, Same):
+            return node if v is node.get() else self._demote(node, v)
+        if isinstance(node, Unchecked):
+            if is_array(v):
+                raise Unsettled
+            return node
+        if isinstance(node, Alias):
+            if v is not self.values.get(id(node.target)):
+                raise Unsettled
+            return node
+        if isinstance(node, Seq):
+            if type(v) is not node.type or len(v) != len(node.items):
+                return self._demote(node, v)
+            node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
+            return self._container(node, [c for c in node.items])
+        if isinstance(node, Map):
+            if type(v) is not node.type or len(v) != len(node.items):
+                return self._demote(node, v)
+            items = []
+            for key, child in node.items:
+                if key not in v:
+                    return self._demote(node, v)
+                items.append((key, self.node(child, v[key])))
+            node.items = items
+            return self._container(node, [c for _, c in items])
+        if isinstance(node, Func):
+            if type(v) is not types.FunctionType or v.__code__ is not node.code:
+                return self._demote(node, v)
+            cells: list[Node | None] = []
+            for cell, cell_node in zip(v.__closure__ or (), node.cells, strict=True):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    value = MISSING
+                if cell_node is None:
+                    cells.append(None if value is MISSING else self._demote(Unchecked(), value))
+                elif value is MISSING:
+                    cells.append(self._demote(cell_node, value))
+                else:
+                    cells.append(self.node(cell_node, value))
+            node.cells = cells
+            g = v.__globals__
+            names: list[tuple[str, Node | None]] = []
+            for name, global_node in node.globals:
+                value = g.get(name, MISSING)
+                if global_node is None:
+                    names.append(
+                        (name, None if value is MISSING else self._demote(Unchecked(), value))
+                    )
+                else:
+                    names.append(
+                        (
+                            name,
+                            self._demote(global_node, value)
+                            if value is MISSING
+                            else self.node(global_node, value),
+                        )
+                    )
+            node.globals = names
+            if node.defaults is not None:
+                node.defaults = self.node(node.defaults, v.__defaults__)
+            if node.kwdefaults is not None:
+                node.kwdefaults = self.node(node.kwdefaults, v.__kwdefaults__)
+            return node
+        if isinstance(node, Method):
+            if type(v) is not types.MethodType:
+                return self._demote(node, v)
+            node.self_ = self.node(node.self_, v.__self__)
+            node.func = self.node(node.func, v.__func__)
+            return node
+        if isinstance(node, Partial):
+            if type(v) is not node.type:
+                return self._demote(node, v)
+            node.func = self.node(node.func, v.func)
+            node.args = self.node(node.args, v.args)
+            node.keywords = self.node(node.keywords, v.keywords)
+            return node
+        if isinstance(node, Jitted):
+            inner = v if type(v) is types.FunctionType else getattr(v, "__wrapped__", MISSING)
+            node.inner = self.node(node.inner, inner)
+            return node
+        if isinstance(node, Descr):
+            if type(v) is not node.type:
+                return self._demote(node, v)
+            node.inner = self.node(node.inner, getattr(v, node.attr))
+            return node
+        if isinstance(node, Obj):
+            if type(v) is not node.type.get():
+                return self._demote(node, v)
+            d = getattr(v, "__dict__", {})
+            if len(d) != len(node.attrs) or any(k not in d for k, _ in node.attrs):
+                return self._demote(node, v)
+            node.attrs = [(k, self.node(c, d[k])) for k, c in node.attrs]
+            node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
+            return node
+        if isinstance(node, Tree):
+            leaves, treedef = jax.tree_util.tree_flatten(v)
+            if treedef != node.treedef:
+                return self._demote(node, v)
+            node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]
+            return node
+        if isinstance(node, ParamsNode):
+            node.source = self.node(node.source, v._sources)
+            return node
+        if isinstance(node, Fixed):
+            node.func = self.node(node.func, node.obj.get())
+            return node
+        if isinstance(node, Attrs):
+            d = vars(node.obj.get())
+            attrs = []
+            for name, child in node.attrs:
+                value = d.get(name, MISSING)
+                attrs.append(
+                    (
+                        name,
+                        self._demote(child, value) if value is MISSING else self.node(child, value),
+                    )
+                )
+            node.attrs = attrs
+            return node
+        raise AssertionError(type(node))  # pragma: no cover
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and a != a:
+        return b != b
+    return bool(a == b)
