@@ -154,7 +154,7 @@ class Entry:
         self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
         self.demoted = False
         self.cacheable = True
-        self.hidden: list[Any] = []
+        self.hidden: list[str] = []
         self.cl_slots: tuple[int, ...] | None = None
         self.n_cl = 0
         self.param_pos: tuple[int, ...] = ()
@@ -162,7 +162,6 @@ class Entry:
         self.active: tuple[int, ...] = ()
         self._donate_fn = donate
         self._shardings_fn = shardings
-        self._params = params
         self.jitted: Any = None
 
     def bind(self, cl: list[Any], a_uniq: list[Any], params: Sequence[Any] | None) -> list[Any]:
@@ -204,8 +203,10 @@ class Entry:
             return None
         return cl_uniq
 
-    def first_run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
-        """Trace once, read the jaxpr, and run."""
+    def first_run(
+        self, roots: tuple[Any, ...], dyn: list[Any], params: Sequence[Any] | None
+    ) -> Any:
+        """Trace once, read the jaxpr, and run. (The entry keeps no user arrays.)"""
         before = {id(a) for a in jax.live_arrays()}
         self.stack.append(roots)
         try:
@@ -222,7 +223,7 @@ class Entry:
             and not is_cotangent(c)  # an inner gradient's cotangent, not a user array
         ]
         if hidden:
-            self._hidden(hidden)
+            self._hidden(hidden, params)
         if self.active:
             if self.program == GRAD:
                 # A gradient that does not depend on the cotangent (the last input)
@@ -257,9 +258,9 @@ class Entry:
             seen.add(u)
         return order
 
-    def _hidden(self, hidden: list[Any]) -> None:
-        if self._params is not None:
-            ids = {id(p): k for k, p in enumerate(self._params)}
+    def _hidden(self, hidden: list[Any], params: Sequence[Any] | None) -> None:
+        if params is not None:
+            ids = {id(p): k for k, p in enumerate(params)}
             for h in hidden:
                 if id(h) in ids:
                     raise TypeError(
@@ -268,7 +269,7 @@ class Entry:
                         "so its gradient cannot be taken. Reach it through a tg.Module, a list, "
                         "a dict, a plain object, a closure variable or a global instead."
                     )
-        self.hidden = hidden
+        self.hidden = [describe_leaf(h) for h in hidden]  # descriptions, not the arrays
         self.cacheable = False
 
     def run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
@@ -410,7 +411,7 @@ def execute(
     if cl is None:  # pragma: no cover - a guard must accept the values it was built from
         raise AssertionError("treegrad: a new guard rejected its own function")
     dyn = entry.bind(cl, call.a_uniq, params)
-    out = entry.first_run(roots, dyn)
+    out = entry.first_run(roots, dyn, params)
     if entry.cacheable:
         _store(call.key, entry)
     elif entry.hidden:
@@ -434,7 +435,7 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
     if code in _WARNED:
         return
     _WARNED.add(code)
-    what = ", ".join(describe_leaf(h) for h in entry.hidden[:5])
+    what = ", ".join(entry.hidden[:5])
     warnings.warn(
         f"treegrad cannot cache {G._describe(f)}: it captures {len(entry.hidden)} array(s) "
         f"({what}) through objects it cannot see into, so it is re-traced on every call to "

@@ -51,6 +51,13 @@ def _check_style(f: Any, api: str, args: tuple[Any, ...], ps: Params | None) -> 
             f"{api}(lambda: loss(model, x, y), ps), or use explicit style: "
             f"{api}(lambda m: loss(m, x, y), model)."
         )
+    n_required = n - len(getattr(f, "__defaults__", None) or ())
+    if ps is None and n_required > len(args):
+        raise TypeError(
+            f"{api}: {_describe(f)} takes {n} positional argument(s) but was given "
+            f"{len(args)} to differentiate; gradient passes each argument after the function "
+            f"to it: {api}(f, model, x) calls f(model, x)."
+        )
     if ps is None and n < len(args) and n >= 0:
         if n == 0:
             raise TypeError(

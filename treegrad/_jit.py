@@ -88,8 +88,8 @@ class Jitted:
         pos: list[Any] = []
         for i, a in enumerate(args):
             if i in self._static:
-                static.append((i, _hashed(a, f"argument {i}")))
                 pos.append(P.RootArg(-1 - len(static)))
+                static.append((i, _hashed(a, f"argument {i}")))
             elif isinstance(a, _FUNCTION_TYPES):
                 pos.append(P.RootArg(len(roots) - 1))
                 roots.append(a)
@@ -98,8 +98,8 @@ class Jitted:
         kw: dict[str, Any] = {}
         for k, a in kwargs.items():
             if k in self._static_names:
-                static.append((k, _hashed(a, f"argument {k!r}")))
                 kw[k] = P.RootArg(-1 - len(static))
+                static.append((k, _hashed(a, f"argument {k!r}")))
             elif isinstance(a, _FUNCTION_TYPES):
                 kw[k] = P.RootArg(len(roots) - 1)
                 roots.append(a)

@@ -522,7 +522,7 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
     """Flatten a model's trainable parameters into one vector, and a way back.
 
     Arguments:
-        model: any model.
+        model: any model, or a `tg.Params` (its model is used).
 
     Returns:
         `(flat, rebuild)`: `flat` concatenates every trainable floating-point
@@ -539,6 +539,7 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
         Array([[2., 2.],
                [2., 2.]], dtype=float32)
     """
+    model = _source(model)
     leaves, treedef, slots, uniq = trainable_slots(model)
     flat, unravel = jax.flatten_util.ravel_pytree(uniq)
     shared = len(unique_by_id(leaves)[0]) < len(leaves)

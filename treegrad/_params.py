@@ -200,8 +200,9 @@ class Params:
 
     @property
     def source(self) -> Any:
-        """The container (or array) the parameters are read from (the first, if several)."""
-        return self._sources[0] if self._sources else []
+        """What the parameters are read from: the model, container or array given (a list
+        of them after `add`), as the optimiser and `tg.update_` see it."""
+        return self._sources[0] if len(self._sources) == 1 else list(self._sources)
 
     def __repr__(self) -> str:
         items = ", ".join(f"{n}: {describe_leaf(a)}" for n, a in self.named().items())

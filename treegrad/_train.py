@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -20,7 +21,9 @@ from tqdm.auto import tqdm
 
 from ._gradient import withgradient
 from ._jit import jit
-from ._optim import OptState, update
+from ._optim import OptState, update, update_
+from ._params import Params
+from ._paths import rebind
 from ._tree import path_str
 
 
@@ -84,8 +87,26 @@ class StepInfo(NamedTuple):
 def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ...]) -> Any:
     value, (g,) = withgradient(lambda m: loss(m, *batch), model)
     state, model = update(state, model, g)
-    grads_finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)]))
-    return state, model, value, grads_finite
+    return state, model, value, _finite(g)
+
+
+def _finite(tree: Any) -> Any:
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable[..., Any]:
+    """Flux's `train!(loss, ps, data, opt)` step: the model is updated in place.
+
+    Compiled by tg.jit like any implicit-style step: the model's arrays and the
+    optimiser state are read from where they live and written back after the call.
+    """
+
+    def step(batch: tuple[Any, ...]) -> Any:
+        value, grads = withgradient(lambda: loss(*batch), ps)
+        update_(state, ps, grads)
+        return value, _finite([g for g in grads.values() if g is not None])
+
+    return jit(step)
 
 
 def _nonfinite_gradients(loss: Callable[..., Any], model: Any, batch: tuple[Any, ...]) -> list[str]:
@@ -143,8 +164,11 @@ def _check_args(loss: Any, model: Any, state: Any, epochs: Any, callbacks: list[
     if not callable(loss):
         raise TypeError(
             f"tg.train: loss must be a function loss(model, *batch) returning a scalar, got a "
-            f"{type(loss).__name__}. The call is tg.train(loss, model, data, state)."
+            f"{type(loss).__name__}. The call is tg.train(loss, model, data, state), or "
+            "tg.train(loss, tg.params(model), data, state) with loss(*batch)."
         )
+    if isinstance(model, Params) and len(model) == 0:
+        raise ValueError("tg.train: the tg.Params is empty; build it with tg.params(model).")
     if isinstance(model, OptState):
         raise TypeError(
             "tg.train: model is an optimiser state; the call is "
@@ -172,6 +196,34 @@ def _check_args(loss: Any, model: Any, state: Any, epochs: Any, callbacks: list[
     return n
 
 
+def _check_arity(loss: Any, n_batch: int, implicit: bool) -> None:
+    """The loss must take what tg.train passes: (model, *batch), or (*batch) with a Params."""
+    code = getattr(loss, "__code__", None)
+    if code is None or code.co_flags & 0x04 or not isinstance(loss, types.FunctionType):
+        return  # *args, or not a plain function: nothing to check
+    n = code.co_argcount
+    want = n_batch if implicit else n_batch + 1
+    n_defaults = len(loss.__defaults__ or ())
+    if want <= n and want >= n - n_defaults:
+        return
+    if implicit:
+        raise TypeError(
+            f"tg.train: with a tg.Params (implicit style), tg.train calls loss(*batch) with "
+            f"{n_batch} argument(s), but the loss takes {n}. The loss reads the model from its "
+            "closure: loss = lambda x, y: mse(model(x), y). For a loss(model, *batch), pass the "
+            "model itself: tg.train(loss, model, data, state)."
+        )
+    hint = (
+        " It looks like an implicit-style loss(*batch): pass tg.params(model) instead of the model."
+        if n == n_batch
+        else ""
+    )
+    raise TypeError(
+        f"tg.train: tg.train calls loss(model, *batch) with {want} argument(s) (the model and "
+        f"{n_batch} from the batch), but the loss takes {n}.{hint}"
+    )
+
+
 def train(
     loss: Callable[..., Any],
     model: Any,
@@ -184,9 +236,15 @@ def train(
 ) -> tuple[Any, Any, list[float]]:
     """Train `model` on `data`: one compiled step (gradient + update) per batch.
 
+    Given a `tg.Params` instead of a model (Flux's `train!(loss, ps, data,
+    opt)`), `loss(*batch)` closes over the model, each step is the compiled
+    implicit step (`tg.gradient(lambda: loss(*batch), ps)` and `tg.update_`),
+    and the model and `state` are updated in place.
+
     Arguments:
-        loss: `loss(model, *batch)` returning a scalar.
-        model: the model.
+        loss: `loss(model, *batch)` returning a scalar; `loss(*batch)` with a
+            `tg.Params`.
+        model: the model, or a `tg.Params` of it.
         data: the batches: a list (or any re-iterable) of tuples, each splatted
             into `loss` (a batch that is not a tuple is passed as one argument);
             or a function with no arguments returning a fresh iterable, called
@@ -200,7 +258,8 @@ def train(
 
     Returns:
         `(state, model, losses)` with one loss per step. The inputs are not
-        modified.
+        modified, except in implicit style, where `model` is the Params' model
+        and `state` the given state, both updated in place.
 
     Raises:
         NonFiniteLossError: the loss or a gradient became NaN or infinite; the
@@ -222,10 +281,21 @@ def train(
         >>> _, _, losses = tg.train(loss, model, stream, state, epochs=3)
         >>> len(losses)
         15
+
+        Implicit style, as Flux's `train!(loss, ps, data, opt)`:
+
+        >>> ps = tg.params(model)
+        >>> state = tg.setup(optax.adam(0.1), ps)
+        >>> _, _, losses = tg.train(lambda x, y: loss(model, x, y), ps, data, state)
+        >>> losses[-1] < losses[0]
+        True
     """
     callbacks = list(callbacks)
     n_epochs = _check_args(loss, model, state, epochs, callbacks)
     batches_of = _epochs(data, n_epochs)
+    implicit = isinstance(model, Params)
+    step_fn = _implicit_step(loss, model, state) if implicit else None
+    checked = False
     losses: list[float] = []
     total = len(data) * n_epochs if isinstance(data, (list, tuple)) else None
     bar = tqdm(
@@ -237,12 +307,18 @@ def train(
             step = -1
             for step, batch in enumerate(batches_of()):
                 args = batch if isinstance(batch, tuple) else (batch,)
-                new_state, new_model, value, grads_ok = _step(loss, state, model, args)
-                v, ok = jax.device_get((value, grads_ok))
-                v = float(v)
-                if not (math.isfinite(v) and ok):
-                    raise _nonfinite(v, epoch, step, loss, state, model, args, losses)
-                state, model = new_state, new_model
+                if not checked:
+                    _check_arity(loss, len(args), implicit)
+                    checked = True
+                if step_fn is not None:
+                    v, ok = _implicit_train_step(step_fn, model, state, args, epoch, step, losses)
+                else:
+                    new_state, new_model, value, grads_ok = _step(loss, state, model, args)
+                    v, ok = jax.device_get((value, grads_ok))
+                    v = float(v)
+                    if not (math.isfinite(v) and ok):
+                        raise _nonfinite(v, epoch, step, loss, state, model, args, losses)
+                    state, model = new_state, new_model
                 losses.append(v)
                 bar.update(1)
                 if bar.n % 10 == 0:
@@ -259,7 +335,39 @@ def train(
                 first_epoch_steps = step + 1
     finally:
         bar.close()
-    return state, model, losses
+    return state, (model.source if implicit else model), losses
+
+
+def _implicit_train_step(
+    step_fn: Any,
+    ps: Params,
+    state: Any,
+    batch: tuple[Any, ...],
+    epoch: int,
+    step: int,
+    losses: list[float],
+) -> tuple[float, bool]:
+    # The step rebinds the model's arrays and the state in place; the previous
+    # arrays are kept (no copy: arrays are immutable) to put back after a bad step.
+    before = (ps.arrays(), jax.tree_util.tree_leaves(state))
+    value, grads_ok = step_fn(batch)
+    v, ok = jax.device_get((value, grads_ok))
+    v = float(v)
+    if not (math.isfinite(v) and ok):
+        for old, tree in zip(before, (ps.source, state), strict=True):
+            now = ps.arrays() if tree is ps.source else jax.tree_util.tree_leaves(state)
+            rebind(tree, {id(n): o for n, o in zip(now, old, strict=True) if n is not o})
+        what = f"the loss is {v}" if not math.isfinite(v) else "a gradient is not finite"
+        raise NonFiniteLossError(
+            f"tg.train: {what} at epoch {epoch}, step {step}; stopped. The model and state "
+            "were put back to the last good step (the error's .model and .state).",
+            state,
+            ps.source,
+            losses,
+            epoch=epoch,
+            step=step,
+        )
+    return v, True
 
 
 def _nonfinite(

@@ -22,21 +22,28 @@ def is_inexact(dtype: Any) -> bool:
 
 
 def is_differentiable(x: Any) -> bool:
-    """A differentiable leaf: a `jax.Array` of floating or complex dtype.
+    """A differentiable leaf: a floating or complex array (`jax.Array` or numpy).
+
+    One rule everywhere: a floating-point numpy array in a model is
+    differentiated like a `jax.Array` (as `jax.grad` does), trained by the
+    optimiser (which returns `jax.Array`s), and converted to a `jax.Array`
+    where it lives by `tg.params` (implicit mode tracks arrays by identity).
 
     Arguments:
         x: any pytree leaf.
 
     Returns:
-        True for float and complex `jax.Array`s; False for integer, bool and
-        key arrays, numpy arrays, Python numbers and everything else.
+        True for float and complex arrays; False for integer, bool and key
+        arrays, Python numbers and everything else.
 
     Examples:
-        >>> import jax.numpy as jnp, treegrad as tg
+        >>> import jax.numpy as jnp, numpy as np, treegrad as tg
         >>> tg.is_differentiable(jnp.ones(2)), tg.is_differentiable(jnp.arange(2))
         (True, False)
+        >>> tg.is_differentiable(np.ones(2)), tg.is_differentiable(1.0)
+        (True, False)
     """
-    return isinstance(x, jax.Array) and is_inexact(x.dtype)
+    return isinstance(x, (jax.Array, np.ndarray)) and is_inexact(x.dtype)
 
 
 def path_str(path: tuple[Any, ...]) -> str:

@@ -1,0 +1,137 @@
+"""The engine's outputs and costs: complex parameters, numpy leaves, empty models,
+memory held by the cache, first-call and trace counts."""
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import treegrad as tg
+
+from .helpers import finite_difference
+
+
+def test_complex_gradient_is_the_direction_of_steepest_ascent():
+    z = jnp.array([1.0 + 2.0j, -0.5 + 1.0j])
+    f = lambda z: jnp.sum(jnp.abs(z) ** 2 + jnp.real(z) * 3.0)
+    (g,) = tg.gradient(f, z)
+    # df/dx + i df/dy by finite differences of the real function of (x, y).
+    x, y = np.real(np.asarray(z)), np.imag(np.asarray(z))
+    dfdx = finite_difference(lambda a: float(np.sum(a**2 + y**2 + 3 * a)), x)
+    dfdy = finite_difference(lambda b: float(np.sum(x**2 + b**2 + 3 * x)), y)
+    np.testing.assert_allclose(g, dfdx + 1j * dfdy, rtol=1e-3)
+    np.testing.assert_allclose(g, jnp.conj(jax.grad(f)(z)), rtol=1e-6)  # jax's conjugate
+
+
+@pytest.mark.parametrize("rule", [optax.adam(0.05), optax.sgd(0.05)], ids=["adam", "sgd"])
+def test_training_a_complex_model_lowers_its_loss(rule):
+    # Fit complex weights w so that w * x matches a complex target, in both styles.
+    x = jnp.array([1.0 + 1.0j, 2.0 - 0.5j, -1.0 + 0.3j])
+    target = jnp.array([0.5 - 2.0j, 1.0 + 1.0j, -0.3j])
+    loss = lambda m: jnp.sum(jnp.abs(m["w"] * x - target) ** 2)
+    model = {"w": jnp.zeros(3, jnp.complex64)}
+    state = tg.setup(rule, model)
+    first = float(loss(model))
+    for _ in range(60):
+        (g,) = tg.gradient(loss, model)
+        state, model = tg.update(state, model, g)
+    assert float(loss(model)) < 0.05 * first
+    implicit = {"w": jnp.zeros(3, jnp.complex64)}
+    ps = tg.params(implicit)
+    st = tg.setup(rule, ps)
+    for _ in range(60):
+        tg.update_(st, ps, tg.gradient(lambda: loss(implicit), ps))
+    np.testing.assert_allclose(implicit["w"], model["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_float_leaves_follow_one_rule_everywhere():
+    model = {"w": np.ones(3, np.float32), "b": jnp.zeros(3)}
+    loss = lambda m: jnp.sum(m["w"] * 2.0 + m["b"])
+    assert tg.is_differentiable(model["w"])
+    (g,) = tg.gradient(loss, model)
+    np.testing.assert_allclose(g["w"], jax.grad(loss)(model)["w"])
+    state = tg.setup(optax.sgd(0.1), model)
+    assert state["w"] is not None  # trained by the optimiser too
+    _, new = tg.update(state, model, g)
+    np.testing.assert_allclose(new["w"], [0.8, 0.8, 0.8])
+    tg.update_(state, model, g)
+    np.testing.assert_allclose(model["w"], [0.8, 0.8, 0.8])
+    ints = {"n": np.arange(3)}
+    assert not tg.is_differentiable(ints["n"])
+    assert tg.gradient(lambda m: jnp.sum(m["n"]).astype(float), ints)[0]["n"] is None
+
+
+class _Empty(tg.Module):
+    def __init__(self):
+        self.name = "empty"
+
+
+@pytest.mark.parametrize(
+    "model",
+    [{}, [], (), _Empty(), {"a": {}, "b": []}],
+    ids=["dict", "list", "tuple", "module", "nested"],
+)
+def test_empty_models_give_gradients_of_the_same_structure(model):
+    (g,) = tg.gradient(lambda m: jnp.asarray(1.0), model)
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(model)
+    assert type(g) is type(model)
+
+
+def _differentiate_and_forget():
+    big = jnp.ones((1000, 1000))
+    batch = jnp.ones((10, 1000))
+    model = {"w": big}
+    tg.gradient(lambda m: jnp.sum(m["w"] @ batch.T), model)
+    tg.withgradient(lambda: jnp.sum(model["w"]), tg.params(model))
+    return [weakref.ref(big), weakref.ref(batch)]
+
+
+def test_the_cache_frees_the_users_arrays():
+    refs = _differentiate_and_forget()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]  # as jax.jit(jax.grad(...)) would
+    assert tg._engine.cache_size() == 2
+
+
+def test_the_cache_is_bounded_by_entries(monkeypatch):
+    monkeypatch.setattr(tg._engine, "MAX_ENTRIES", 5)
+    w = jnp.ones(2)
+    for k in range(12):
+        ns = {"jnp": jnp}
+        exec(f"def f(v):\n    return jnp.sum(v) * {k}\n", ns)  # a new code object each time
+        assert float(tg.gradient(ns["f"], w)[0][0]) == k
+    assert tg._engine.cache_size() == 5
+
+
+def test_a_new_lambda_each_step_traces_once():
+    traces = []
+
+    def loss(w, xb):
+        traces.append(1)
+        return jnp.sum((xb @ w) ** 2)
+
+    w = jnp.array([1.0, -2.0])
+    for i in range(20):
+        xb = jnp.full((4, 2), float(i))
+        (g,) = tg.gradient(lambda w: loss(w, xb), w)  # noqa: B023 -- the point of the test
+        np.testing.assert_allclose(g, jax.grad(loss)(w, xb) if i % 7 == 0 else g)
+    assert len(traces) == 1 + 3  # ours once; jax.grad's three reference calls
+
+
+def test_unused_inputs_are_none_and_the_program_is_pruned():
+    traces = []
+
+    def f(a, b):
+        traces.append(1)
+        return jnp.sum(a**2)
+
+    for _ in range(3):
+        ga, gb = tg.gradient(f, jnp.ones(2), jnp.ones(3))
+        assert gb is None
+        np.testing.assert_allclose(ga, [2.0, 2.0])
+    # Traced once to find the unused input, once without differentiating it; then cached.
+    assert len(traces) == 2
