@@ -199,8 +199,16 @@ class Entry:
         cl_uniq, slots = uniq(cl)
         if slots != self.cl_slots:
             return None
-        if params is not None and _positions(cl_uniq, params) != self.param_pos:
-            return None
+        if params is not None:
+            # Each captured input is one object, so a parameter found at its
+            # recorded position is nowhere else: checking those is enough,
+            # unless some parameter was not captured at all.
+            pos = self.param_pos
+            if len(pos) != len(params) or any(
+                p < 0 or cl_uniq[p] is not a for p, a in zip(pos, params, strict=True)
+            ):
+                if _positions(cl_uniq, params) != pos:
+                    return None
         return cl_uniq
 
     def first_run(
@@ -275,7 +283,7 @@ class Entry:
     def run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
         self.stack.append(roots)
         try:
-            out = self.jitted(*dyn, *self._extra())
+            out = self.jitted(*dyn, cotangent()) if self.program == GRAD else self.jitted(*dyn)
         finally:
             self.stack.pop()
         if self.demoted:
@@ -381,6 +389,8 @@ MAX_ENTRIES = 128
 _CACHE: dict[Any, list[Entry]] = {}
 _LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
 _WARNED: set[Any] = set()
+# Other modules' memos (per code object or type), forgotten by clear_cache too.
+MEMOS: list[Any] = []
 
 
 def execute(
@@ -460,6 +470,8 @@ def clear_cache() -> None:
     _LRU.clear()
     _WARNED.clear()
     G.clear()
+    for memo in MEMOS:
+        memo.clear()
 
 
 def cache_size() -> int:

@@ -33,8 +33,24 @@ def _check_callable(f: Any, api: str) -> None:
         )
 
 
+_STYLE_OK: set[Any] = set()
+E.MEMOS.append(_STYLE_OK)
+
+
 def _check_style(f: Any, api: str, args: tuple[Any, ...], ps: Params | None) -> None:
-    """Clear errors for the two styles mixed up: the usual first mistakes."""
+    """Clear errors for the two styles mixed up: the usual first mistakes.
+
+    Checked once per code object and number of arguments (it runs on every call).
+    """
+    key = (getattr(f, "__code__", None), len(args), ps is None)
+    if key in _STYLE_OK:
+        return
+    _check_style_once(f, api, args, ps)
+    if key[0] is not None:
+        _STYLE_OK.add(key)
+
+
+def _check_style_once(f: Any, api: str, args: tuple[Any, ...], ps: Params | None) -> None:
     if not args:
         raise TypeError(
             f"{api} got no argument to differentiate with respect to. Explicit style: "
