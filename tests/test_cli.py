@@ -27,12 +27,14 @@ def test_demo_quick_agrees_and_writes_plot(tmp_path, capsys):
 
 @pytest.mark.slow  # 10.7 s on a quiet 2-core machine: compiles every system and the anchors
 def test_bench_smoke_prints_every_column(capsys):
-    assert _bench.main(steps=2, repeats=1, sizes=["tiny"]) == 0
+    assert _bench.main(steps=2, repeats=1, sizes=["tiny"], first_call_leaves=(3,)) == 0
     out = capsys.readouterr().out
     for name in (
         "jax.jit fused (hand-written)",
         "jax two-call (hand-written)",
+        "jax.jit fused, tg Modules (hand)",
         "tg.jit step",
+        "tg.jit implicit step",
         "tg naive loop",
         "tg implicit loop",
     ):
@@ -40,6 +42,8 @@ def test_bench_smoke_prints_every_column(capsys):
     assert "vs fused" in out and "vs two-call" in out
     assert "traces of the loss: naive loop 1, implicit loop 1" in out
     assert "first call" in out
+    assert "per-call overhead breakdown" in out and "its compiled program alone" in out
+    assert re.search(r"3 leaves: jax.jit\(jax.grad\) [0-9.]+s, tg.gradient [0-9.]+s \(ratio", out)
 
 
 def test_cli_size_names_are_the_benchmark_sizes():
@@ -55,6 +59,11 @@ def test_cli_size_names_are_the_benchmark_sizes():
         (["bench", "--steps", "0"], r"--steps: must be at least 1, got 0"),
         (["bench", "--repeats", "two"], r"--repeats: expected a whole number, got 'two'"),
         (["demo", "--epochs", "-1"], r"--epochs: must be at least 1, got -1"),
+        (["bench", "--first-call", "10,x"], r"--first-call: expected comma-separated whole"),
+        (
+            ["bench", "--first-call", "0"],
+            r"--first-call: every number of arrays must be at least 1",
+        ),
     ],
 )
 def test_bad_arguments_are_usage_errors_naming_the_choices(argv, words, capsys):
@@ -117,6 +126,7 @@ def _fake_measure(sizes, batch, steps, repeats, anchors=True):
         "jax.jit fused (hand-written)": base,
         "jax two-call (hand-written)": [2 * b for b in base],
         "tg.jit step": [1.5 * b for b in base],
+        "tg.jit implicit step": [1.25 * b for b in base],
         "tg naive loop (new lambda/step)": [
             2 * b * r for b, r in zip(base, (1.0, 1.2, 3.0), strict=True)
         ],
@@ -156,7 +166,7 @@ def test_overhead_plot_has_title_reference_line_and_error_bars(monkeypatch, tmp_
     assert "hand-written JAX" in ax.get_ylabel()
     assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())
     bars = [c for c in ax.containers if c.has_yerr]
-    assert len(bars) == 3
+    assert len(bars) == 4
     naive = next(c for c in bars if c.get_label().startswith("tg naive loop"))
     (segments,) = naive.lines[2]  # one LineCollection: the vertical min-max bar per point
     first_point = segments.get_segments()[0]

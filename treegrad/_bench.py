@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._benchengine import first_calls, format_breakdown, format_first_calls, overhead_breakdown
+
 SIZES: dict[str, tuple[list[int], int]] = {
     "tiny": ([16, 32, 32, 4], 32),
     "deep": ([32] * 18, 32),
@@ -113,6 +115,21 @@ def _systems(
 
     m0 = _tg_model(sizes, key)
 
+    # The same fused step written by hand with jax.jit, on treegrad's Module model:
+    # what JAX's pytree handling of Python classes costs before any treegrad code runs.
+    @jax.jit
+    def fused_modules(m: Any, st: Any, x: Any, y: Any) -> Any:
+        loss, g = jax.value_and_grad(_tg_loss)(m, x, y)
+        u, st = opt.update(g, st, m)
+        return optax.apply_updates(m, u), st, loss
+
+    def hand_modules(n: int, s: list[Any] = [m0, opt.init(m0)]) -> None:  # noqa: B006, B008
+        m, st = s
+        for _ in range(n):
+            m, st, _loss_v = fused_modules(m, st, x, y)
+        jax.block_until_ready(m)
+        s[:] = [m, st]
+
     @tg.jit
     def tg_step(state: Any, m: Any, x: Any, y: Any) -> Any:
         loss, (g,) = tg.withgradient(lambda m: _tg_loss(m, x, y), m)
@@ -152,7 +169,23 @@ def _systems(
             tg.update_(st_imp, ps, grads)
         jax.block_until_ready(m_imp)
 
+    m_jit = jax.tree_util.tree_map(lambda a: a, m0)
+    ps_jit = tg.params(m_jit)
+    st_jit = tg.setup(opt, ps_jit)
+
+    @tg.jit
+    def tg_implicit_step(x: Any, y: Any) -> Any:
+        grads = tg.gradient(lambda: _tg_loss(m_jit, x, y), ps_jit)
+        tg.update_(st_jit, ps_jit, grads)
+
+    def tg_implicit_jit(n: int) -> None:
+        for _ in range(n):
+            tg_implicit_step(x, y)
+        jax.block_until_ready(m_jit)
+
+    systems["jax.jit fused, tg Modules (hand)"] = hand_modules
     systems["tg.jit step"] = tg_jit
+    systems["tg.jit implicit step"] = tg_implicit_jit
     systems["tg naive loop (new lambda/step)"] = tg_naive
     systems["tg implicit loop"] = tg_implicit
     if anchors:
@@ -331,6 +364,7 @@ def format_table(title: str, times: dict[str, list[float]]) -> str:
 # Each treegrad loop against the hand-written JAX step it replaces.
 BASELINES = {
     "tg.jit step": "jax.jit fused (hand-written)",
+    "tg.jit implicit step": "jax.jit fused (hand-written)",
     "tg naive loop (new lambda/step)": "jax two-call (hand-written)",
     "tg implicit loop": "jax two-call (hand-written)",
 }
@@ -375,7 +409,11 @@ def leaf_sweep(
 
 
 def main(
-    steps: int = 200, repeats: int = 5, sizes: list[str] | None = None, plot: str | None = None
+    steps: int = 200,
+    repeats: int = 5,
+    sizes: list[str] | None = None,
+    plot: str | None = None,
+    first_call_leaves: tuple[int, ...] = (),
 ) -> int:
     """Print the comparison tables (and write the leaf-count plot to `plot`); return 0."""
     sizes = sizes or ["tiny", "deep"]
@@ -403,8 +441,12 @@ def main(
             f"first call (trace+compile+run): jax.jit {fc['jax.jit']:.3f}s, "
             f"tg.jit {fc['tg.jit']:.3f}s (ratio {fc['tg.jit'] / fc['jax.jit']:.2f})"
         )
+        print(format_breakdown(overhead_breakdown(layer_sizes, batch)))
         for note in notes:
             print("note:", note)
+    if first_call_leaves:
+        print()
+        print(format_first_calls(first_calls(first_call_leaves)))
     if plot:
         print(f"\nleaf-count sweep for {plot} (several minutes):", flush=True)
         sweep = leaf_sweep(SWEEP_DEPTHS, max(10, steps // 10), 3, progress=True)

@@ -83,7 +83,35 @@ def parser() -> argparse.ArgumentParser:
         "prints progress) and write a plot of each treegrad loop's time per step over "
         "hand-written JAX to this file (default: no sweep)",
     )
+    bench.add_argument(
+        "--first-call",
+        type=_leaf_counts,
+        default="10,100,2000",
+        metavar="N,N,...",
+        help="also time the first gradient (trace + compile) of models with these numbers "
+        "of arrays, against jax.jit(jax.grad); 2000 takes about 20 s ('' for none)",
+    )
+    bench.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure resident memory over 20,000 new lambdas and 2,000 distinct "
+        "functions (about two minutes)",
+    )
     return top
+
+
+def _leaf_counts(text: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers (e.g. 10,100,2000), got {text!r}"
+        ) from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"every number of arrays must be at least 1: {text!r}")
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         return run(epochs=3 if args.quick else args.epochs, plot=args.plot or None)
     from ._bench import main as bench_main
 
-    return bench_main(
-        steps=args.steps, repeats=args.repeats, sizes=args.sizes, plot=args.plot or None
+    code = bench_main(
+        steps=args.steps,
+        repeats=args.repeats,
+        sizes=args.sizes,
+        plot=args.plot or None,
+        first_call_leaves=args.first_call,
     )
+    if args.memory:
+        from ._benchengine import memory
+
+        print()
+        print("\n".join(memory()))
+    return code
 
 
 if __name__ == "__main__":

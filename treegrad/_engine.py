@@ -204,11 +204,11 @@ class Entry:
             # recorded position is nowhere else: checking those is enough,
             # unless some parameter was not captured at all.
             pos = self.param_pos
-            if len(pos) != len(params) or any(
+            moved = len(pos) != len(params) or any(
                 p < 0 or cl_uniq[p] is not a for p, a in zip(pos, params, strict=True)
-            ):
-                if _positions(cl_uniq, params) != pos:
-                    return None
+            )
+            if moved and _positions(cl_uniq, params) != pos:
+                return None
         return cl_uniq
 
     def first_run(
