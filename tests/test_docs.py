@@ -93,6 +93,9 @@ def actual_messages(tmp_path):
     with pytest.raises(ValueError) as e:
         model(jnp.ones((3, 5)))
     out.append(str(e.value))
+    with pytest.raises(TypeError) as e:
+        tg.gradient(lambda: jnp.mean((model(x) - y) ** 2), model)
+    out.append(str(e.value))
     return out
 
 

@@ -34,10 +34,10 @@ import jax
 
 from . import _guard as G
 from . import _jaxpr
-from ._guardcode import Guard
+from ._guardcode import Guard, WriteBack
 from ._outputs import DYN, Written, expand, uniq
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
-from ._swap import Swap
+from ._swap import Swap, holders
 from ._tree import describe_leaf, is_inexact
 
 
@@ -153,6 +153,7 @@ class Entry:
         self.n_args = len(call.a_uniq)
         self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
         self.demoted = False
+        self._writers: dict[tuple[int, ...], WriteBack] = {}
         self.cacheable = True
         self.hidden: list[str] = []
         self.cl_slots: tuple[int, ...] | None = None
@@ -299,10 +300,23 @@ class Entry:
         return deps, packed, grads
 
     def _write_back(self, roots: tuple[Any, ...], written: Written) -> None:
+        writer = self._writers.get(written.places)
+        if writer is None:
+            writer = self._writers[written.places] = WriteBack(
+                self.nodes,
+                self.absolute,
+                {p: k for k, p in enumerate(written.places)},
+                list(roots),
+            )
+        vals = [written.values[k] for k in written.index]
+        if writer.ok:
+            writer.write(*roots, vals)
+            return
         values: list[Any] = [G.MISSING] * self.n_places
-        for place, k in zip(written.places, written.index, strict=True):
-            values[place] = written.values[k]
-        swap = Swap(values, inline=False, record=False)
+        for place, v in zip(written.places, vals, strict=True):
+            values[place] = v
+        only = holders([*self.nodes, *self.absolute], set(written.places))
+        swap = Swap(values, inline=False, record=False, only=only)
         for node, root in zip(self.nodes, roots, strict=True):
             swap.put(node, root)
         for node in self.absolute:

@@ -323,11 +323,12 @@ class Tree(Node):
     Checked by its treedef (which holds its static data) and its leaves.
     """
 
-    __slots__ = ("leaves", "treedef")
+    __slots__ = ("keys", "leaves", "treedef")
 
     def __init__(self, treedef: Any, leaves: list[Node]):
         self.treedef = treedef
         self.leaves = leaves
+        self.keys: list[tuple[Any, ...]] = []  # each leaf's key path (for writing back)
 
 
 class ParamsNode(Node):
@@ -591,6 +592,7 @@ class Walk:
                 keys = [(i,) for i in range(len(leaves))]
         else:
             keys = [()] * len(leaves)
+        node.keys = [tuple(k) for k in keys]
         node.leaves.extend(
             self._place(path + jax.tree_util.keystr(k)) if is_array(x) else self._leaf(x)
             for k, x in zip(keys, leaves, strict=True)

@@ -247,3 +247,220 @@ class Guard:
                 self._fail_unless(d, f"{w} is None")
             else:
                 self._gen(child, w, d)
+
+
+class WriteBack:
+    """`write(*roots, values)` puts new arrays into the given places, in place.
+
+    Generated, like the guard, for one set of written places: after each call
+    of a compiled implicit step it assigns the new arrays where the old ones
+    lived (a Module attribute, a dict entry, a cell, an optimiser state), so
+    writing back costs a few assignments, not a walk of everything the function
+    reads. Built from the objects of the first call (the guard has checked that
+    later calls have the same structure); `ok` is False when some place needs a
+    container rebuilt (a tuple), and the caller then writes back the slow way.
+    """
+
+    def __init__(
+        self, roots: list[Node], absolute: list[Node], places: dict[int, int], live: list[Any]
+    ):
+        from ._paths import IN_PLACE
+
+        self.places = places  # place -> index into the values passed
+        self.ns: dict[str, Any] = {"IN_PLACE": IN_PLACE, "flatten": jax.tree_util.tree_flatten}
+        self.lines: list[str] = []
+        self.n = 0
+        self.ok = True
+        self.names: dict[int, str] = {}
+        args = [f"r{i}" for i in range(len(roots))]
+        for node, arg, value in zip(roots, args, live, strict=True):
+            self._node(node, arg, value)
+        for node in absolute:
+            if self._has(node):
+                obj = node.obj.get() if isinstance(node, (Attrs, Fixed)) else None
+                self._node(node, None, obj)
+        body = "\n".join(self.lines) or "    pass"
+        src = f"def write({', '.join([*args, 'vals'])}):\n{body}\n"
+        exec(compile(src, "<treegrad write-back>", "exec"), self.ns)
+        self.write: Callable[..., None] = self.ns["write"]
+
+    def _k(self, obj: Any) -> str:
+        name = f"K{len(self.ns)}"
+        self.ns[name] = obj
+        return name
+
+    def _v(self) -> str:
+        self.n += 1
+        return f"v{self.n}"
+
+    def _emit(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+    def _has(self, node: Node) -> bool:
+        if isinstance(node, Array):
+            return node.place in self.places
+        from ._guard import children
+
+        return any(self._has(c) for c in children(node))
+
+    def _val(self, node: Array) -> str:
+        return f"vals[{self.places[node.place]}]"
+
+    def _child(self, node: Node, expr: str, value: Any, assign: Callable[[str], str]) -> None:
+        """Write into the child `node` (value `value`, read as `expr`); `assign(v)` rebinds it."""
+        if not self._has(node):
+            return
+        if isinstance(node, Array):
+            self._emit(assign(self._val(node)))
+            return
+        if isinstance(value, tuple) or isinstance(node, Partial):
+            self.ok = False  # immutable: rebuilt by the slow path
+            return
+        w = self._v()
+        self._emit(f"{w} = {expr}")
+        self._node(node, w, value)
+
+    def _node(self, node: Node, v: str | None, value: Any) -> None:
+        if not self.ok or not self._has(node):
+            return
+        if isinstance(node, Seq) and type(value) is list:
+            for i, (c, x) in enumerate(zip(node.items, value, strict=True)):
+                self._child(c, f"{v}[{i}]", x, lambda val, i=i: f"{v}[{i}] = {val}")
+        elif isinstance(node, Map):
+            for key, c in node.items:
+                k = self._k(key)
+                self._child(c, f"{v}[{k}]", value[key], lambda val, k=k: f"{v}[{k}] = {val}")
+        elif isinstance(node, Func):
+            cells = value.__closure__ or ()
+            for i, (cell, c) in enumerate(zip(cells, node.cells, strict=True)):
+                if c is not None:
+                    self._child(
+                        c,
+                        f"{v}.__closure__[{i}].cell_contents",
+                        cell.cell_contents,
+                        lambda val, i=i: f"{v}.__closure__[{i}].cell_contents = {val}",
+                    )
+            g = value.__globals__
+            for name, c in node.globals:
+                if c is not None:
+                    self._child(
+                        c,
+                        f"{v}.__globals__[{name!r}]",
+                        g[name],
+                        lambda val, name=name: f"{v}.__globals__[{name!r}] = {val}",
+                    )
+            for c in (node.defaults, node.kwdefaults):
+                if c is not None and self._has(c):
+                    self.ok = False
+        elif isinstance(node, Method):
+            self._child(node.self_, f"{v}.__self__", value.__self__, lambda val: "pass")
+            self._child(node.func, f"{v}.__func__", value.__func__, lambda val: "pass")
+            if isinstance(node.self_, Array) and self._has(node.self_):
+                self.ok = False
+        elif isinstance(node, (Jitted, Descr)):
+            attr = "__wrapped__" if isinstance(node, Jitted) else node.attr
+            self._child(node.inner, f"{v}.{attr}", getattr(value, attr), lambda val: "pass")
+        elif isinstance(node, Obj):
+            d = vars(value) if node.attrs else {}
+            for name, c in node.attrs:
+                self._child(
+                    c,
+                    f"{v}.__dict__[{name!r}]",
+                    d[name],
+                    lambda val, name=name: f"{v}.__dict__[{name!r}] = {val}",
+                )
+            for name, c in node.slots:
+                self._child(
+                    c,
+                    f"{v}.{name}",
+                    getattr(value, name),
+                    lambda val, name=name: f"object.__setattr__({v}, {name!r}, {val})",
+                )
+        elif isinstance(node, ParamsNode):
+            self._child(node.source, f"{v}._sources", value._sources, lambda val: "pass")
+        elif isinstance(node, Fixed):
+            fn = self._v()
+            self._emit(f"{fn} = {self._k(node.obj.ref)}()")
+            self._node(node.func, fn, value)
+        elif isinstance(node, Attrs):
+            obj = self._v()
+            k = self._k(node.obj.ref)
+            self._emit(f"{obj} = {k}()" if node.obj.weak else f"{obj} = {k}")
+            d = vars(value)
+            for name, c in node.attrs:
+                self._child(
+                    c,
+                    f"{obj}.{name}",
+                    d[name],
+                    lambda val, name=name: f"setattr({obj}, {name!r}, {val})",
+                )
+        elif isinstance(node, Tree):
+            self._tree(node, v, value)
+        else:  # Const, Same, Unchecked, Alias: no places below
+            self.ok = self.ok and not self._has(node)
+
+    def _tree(self, node: Tree, v: str | None, value: Any) -> None:
+        from ._paths import IN_PLACE
+
+        if type(value) in IN_PLACE:  # a node that sets its own leaves (an optimiser state)
+            leaves = self._v()
+            self._emit(f"{leaves} = flatten({v})[0]")
+            for i, c in enumerate(node.leaves):
+                if isinstance(c, Array) and c.place in self.places:
+                    self._emit(f"{leaves}[{i}] = {self._val(c)}")
+            self._emit(f"IN_PLACE[{self._k(type(value))}]({v}, {leaves})")
+            return
+        for c, key in zip(node.leaves, node.keys, strict=True):
+            if not (isinstance(c, Array) and c.place in self.places):
+                continue
+            if not key:
+                self.ok = False
+                return
+            expr, obj = v, value
+            for k in key[:-1]:
+                step = _step(obj, k)
+                if step is None:
+                    self.ok = False
+                    return
+                expr, obj = f"{expr}{step}", _get(obj, k)
+            setter = _set(obj, key[-1], expr, self._val(c))
+            if setter is None:
+                self.ok = False
+                return
+            self._emit(setter)
+
+
+def _get(obj: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(obj, key.name)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return obj[key.idx]
+    return obj[key.key]
+
+
+def _step(obj: Any, key: Any) -> str | None:
+    """Python reading child `key` of `obj`, or None when it is not addressable."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return f".{key.name}"
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return f"[{key.idx}]"
+    if isinstance(key, jax.tree_util.DictKey) and isinstance(obj, dict):
+        return f"[{key.key!r}]"
+    return None
+
+
+def _set(obj: Any, key: Any, expr: str, val: str) -> str | None:
+    """Python rebinding child `key` of `obj` (read as `expr`) in place, or None."""
+    from ._module import Module
+
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        if isinstance(obj, Module):
+            # Straight into __dict__: an array replacing an array keeps the Module's
+            # cached split into children and static data (setattr would drop it).
+            return f"{expr}.__dict__[{key.name!r}] = {val}"
+        return f"object.__setattr__({expr}, {key.name!r}, {val})"
+    if isinstance(key, jax.tree_util.SequenceKey) and type(obj) is list:
+        return f"{expr}[{key.idx}] = {val}"
+    if isinstance(key, jax.tree_util.DictKey) and isinstance(obj, dict):
+        return f"{expr}[{key.key!r}] = {val}"
+    return None

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from ._optstate import _Config, _Pos, graft, param_state
+from ._paths import register_in_place
 
 
 class _View:
@@ -252,3 +253,5 @@ def _unflatten(config: _Config, leaves: Any) -> OptState:
 jax.tree_util.register_pytree_with_keys(
     OptState, _flatten_with_keys, _unflatten, flatten_func=_flatten
 )
+# In place, for tg.update_ and for compiled implicit steps writing the new state back.
+register_in_place(OptState, lambda state, leaves: state._install(state._config, leaves))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -83,6 +84,16 @@ def set_at(root: Any, path: tuple[Any, ...], value: Any) -> None:
         new = updated
 
 
+# Pytree types that replace their own leaves in place (an optimiser state): a
+# function `(node, new_leaves) -> None`, faster and surer than rebinding by path.
+IN_PLACE: dict[type, Callable[[Any, list[Any]], None]] = {}
+
+
+def register_in_place(cls: type, set_leaves: Callable[[Any, list[Any]], None]) -> None:
+    """Declare how to replace the leaves of a `cls` pytree node in place."""
+    IN_PLACE[cls] = set_leaves
+
+
 def rebind(root: Any, changed: dict[int, Any]) -> None:
     """Replace, in place, every leaf of `root` whose id is in `changed` by its new value.
 
@@ -141,9 +152,16 @@ def _rebind_node(node: Any, changed: dict[int, Any], found: set[int]) -> Any:
         return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
     if node is None or isinstance(node, (jax.Array, np.ndarray, *_OPAQUE)):
         return node
+    set_leaves = IN_PLACE.get(t)
+    if set_leaves is not None:
+        leaves = jax.tree_util.tree_leaves(node)
+        new_leaves = [changed.get(id(leaf), leaf) for leaf in leaves]
+        found.update(id(a) for a, b in zip(leaves, new_leaves, strict=True) if a is not b)
+        set_leaves(node, new_leaves)
+        return node
     # A foreign pytree (an equinox module, say): rebind its leaves by path; a
-    # node whose paths are not attributes or items (an optimiser state) takes
-    # the contents of a copy rebuilt with the new leaves.
+    # node whose paths are not attributes or items takes the contents of a copy
+    # rebuilt with the new leaves.
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(node)[0]
     hits = [(p, leaf) for p, leaf in leaves_with_paths if id(leaf) in changed and p]
     if not hits:

@@ -37,6 +37,7 @@ from ._guard import (
     Seq,
     Tree,
     Unchecked,
+    children,
     has_places,
     is_array,
 )
@@ -55,10 +56,20 @@ class Swap:
     tracing, `inline` replaces `jax.jit` helpers by their wrapped function.
     """
 
-    def __init__(self, values: list[Any], *, inline: bool = True, record: bool = True):
+    def __init__(
+        self,
+        values: list[Any],
+        *,
+        inline: bool = True,
+        record: bool = True,
+        only: set[int] | None = None,
+    ):
         self.values = values
         self.inline = inline
         self.record = record
+        # Ids of the nodes holding a place to write (None: all), so writing a few
+        # arrays back after each call does not walk everything the function reads.
+        self.only = only
         self.undo: list[Callable[[], None]] = []
 
     def restore(self) -> None:
@@ -71,6 +82,8 @@ class Swap:
 
     def put(self, node: Node, v: Any) -> Any:
         """Write into `v` in place; return `v`, or its replacement if `v` is immutable."""
+        if self.only is not None and id(node) not in self.only:
+            return v
         if isinstance(node, Array):
             new = self.values[node.place]
             return v if new is MISSING else new
@@ -174,7 +187,11 @@ class Swap:
 
     def _tree(self, node: Tree, v: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(v)
-        new = [self.put(child, x) for child, x in zip(node.leaves, leaves, strict=True)]
+        values = self.values
+        new = [
+            (x if (n := values[c.place]) is MISSING else n) if type(c) is Array else self.put(c, x)
+            for c, x in zip(node.leaves, leaves, strict=True)
+        ]
         changed = {id(a): b for a, b in zip(leaves, new, strict=True) if a is not b}
         if not changed:
             return v
@@ -374,3 +391,23 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, float) and a != a:
         return b != b
     return bool(a == b)
+
+
+def holders(nodes: list[Node], places: set[int]) -> set[int]:
+    """Ids of the nodes on the way to the given places (for `Swap(only=...)`)."""
+    out: set[int] = set()
+
+    def visit(node: Node) -> bool:
+        if isinstance(node, Array):
+            hit = node.place in places
+        else:
+            hit = False
+            for child in children(node):
+                hit = visit(child) or hit
+        if hit:
+            out.add(id(node))
+        return hit
+
+    for node in nodes:
+        visit(node)
+    return out
