@@ -148,7 +148,7 @@ def memory(n_lambdas: int = 20_000, n_codes: int = 2_000, every: int = 500) -> l
         f"{tg._engine.cache_size()} program(s) cached"
     )
     for k in range(n_codes):
-        ns = {"jnp": jnp}
+        ns: dict[str, Any] = {"jnp": jnp}
         exec(f"def f(v):\n    return jnp.sum(jnp.sin(v) * {k})\n", ns)  # a new code object
         tg.gradient(ns["f"], w)
         if (k + 1) % every == 0:

@@ -325,41 +325,41 @@ class WriteBack:
             return
         if isinstance(node, Seq) and type(value) is list:
             for i, (c, x) in enumerate(zip(node.items, value, strict=True)):
-                self._child(c, f"{v}[{i}]", x, lambda val, i=i: f"{v}[{i}] = {val}")
+                self._child(c, f"{v}[{i}]", x, _assign(f"{v}[{i}] = \0"))
         elif isinstance(node, Map):
             for key, c in node.items:
                 k = self._k(key)
-                self._child(c, f"{v}[{k}]", value[key], lambda val, k=k: f"{v}[{k}] = {val}")
+                self._child(c, f"{v}[{k}]", value[key], _assign(f"{v}[{k}] = \0"))
         elif isinstance(node, Func):
             cells = value.__closure__ or ()
-            for i, (cell, c) in enumerate(zip(cells, node.cells, strict=True)):
-                if c is not None:
+            for i, (cell, cell_node) in enumerate(zip(cells, node.cells, strict=True)):
+                if cell_node is not None:
                     self._child(
-                        c,
+                        cell_node,
                         f"{v}.__closure__[{i}].cell_contents",
                         cell.cell_contents,
-                        lambda val, i=i: f"{v}.__closure__[{i}].cell_contents = {val}",
+                        _assign(f"{v}.__closure__[{i}].cell_contents = \0"),
                     )
             g = value.__globals__
-            for name, c in node.globals:
-                if c is not None:
+            for name, global_node in node.globals:
+                if global_node is not None:
                     self._child(
-                        c,
+                        global_node,
                         f"{v}.__globals__[{name!r}]",
                         g[name],
-                        lambda val, name=name: f"{v}.__globals__[{name!r}] = {val}",
+                        _assign(f"{v}.__globals__[{name!r}] = \0"),
                     )
-            for c in (node.defaults, node.kwdefaults):
-                if c is not None and self._has(c):
+            for default in (node.defaults, node.kwdefaults):
+                if default is not None and self._has(default):
                     self.ok = False
         elif isinstance(node, Method):
-            self._child(node.self_, f"{v}.__self__", value.__self__, lambda val: "pass")
-            self._child(node.func, f"{v}.__func__", value.__func__, lambda val: "pass")
+            self._child(node.self_, f"{v}.__self__", value.__self__, _assign("pass"))
+            self._child(node.func, f"{v}.__func__", value.__func__, _assign("pass"))
             if isinstance(node.self_, Array) and self._has(node.self_):
                 self.ok = False
         elif isinstance(node, (Jitted, Descr)):
             attr = "__wrapped__" if isinstance(node, Jitted) else node.attr
-            self._child(node.inner, f"{v}.{attr}", getattr(value, attr), lambda val: "pass")
+            self._child(node.inner, f"{v}.{attr}", getattr(value, attr), _assign("pass"))
         elif isinstance(node, Obj):
             d = vars(value) if node.attrs else {}
             for name, c in node.attrs:
@@ -367,17 +367,17 @@ class WriteBack:
                     c,
                     f"{v}.__dict__[{name!r}]",
                     d[name],
-                    lambda val, name=name: f"{v}.__dict__[{name!r}] = {val}",
+                    _assign(f"{v}.__dict__[{name!r}] = \0"),
                 )
             for name, c in node.slots:
                 self._child(
                     c,
                     f"{v}.{name}",
                     getattr(value, name),
-                    lambda val, name=name: f"object.__setattr__({v}, {name!r}, {val})",
+                    _assign(f"object.__setattr__({v}, {name!r}, \0)"),
                 )
         elif isinstance(node, ParamsNode):
-            self._child(node.source, f"{v}._sources", value._sources, lambda val: "pass")
+            self._child(node.source, f"{v}._sources", value._sources, _assign("pass"))
         elif isinstance(node, Fixed):
             fn = self._v()
             self._emit(f"{fn} = {self._k(node.obj.ref)}()")
@@ -392,7 +392,7 @@ class WriteBack:
                     c,
                     f"{obj}.{name}",
                     d[name],
-                    lambda val, name=name: f"setattr({obj}, {name!r}, {val})",
+                    _assign(f"setattr({obj}, {name!r}, \0)"),
                 )
         elif isinstance(node, Tree):
             self._tree(node, v, value)
@@ -416,7 +416,8 @@ class WriteBack:
             if not key:
                 self.ok = False
                 return
-            expr, obj = v, value
+            expr: str = v or ""
+            obj = value
             for k in key[:-1]:
                 step = _step(obj, k)
                 if step is None:
@@ -428,6 +429,11 @@ class WriteBack:
                 self.ok = False
                 return
             self._emit(setter)
+
+
+def _assign(template: str) -> Callable[[str], str]:
+    """Python rebinding a child: `template` with the new value's expression for NUL."""
+    return lambda val: template.replace("\0", val)
 
 
 def _get(obj: Any, key: Any) -> Any:
