@@ -23,6 +23,7 @@ from . import _programs as P
 from ._outputs import DYN
 from ._params import Grads, NoGradientError, NoGradientWarning, Params
 from ._tree import path_str
+from ._typing import GradientTree, PyTree
 
 
 def _check_callable(f: Any, api: str) -> None:
@@ -162,7 +163,9 @@ def _explicit_grad(api: str, f: Any, args: tuple[Any, ...], has_aux: bool) -> tu
     return (packed.value() if has_aux else None), grads
 
 
-def gradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> Any:
+def gradient(
+    f: Callable[..., Any], *args: PyTree, strict: bool = False
+) -> tuple[GradientTree, ...] | Grads:
     """The gradient of a scalar function with respect to each argument.
 
     Explicit mode: `tg.gradient(f, *args)` returns a tuple with one entry per
@@ -205,7 +208,9 @@ def gradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> Any:
     return _explicit_grad("tg.gradient", f, args, False)[1]
 
 
-def withgradient(f: Callable[..., Any], *args: Any, strict: bool = False) -> tuple[Any, Any]:
+def withgradient(
+    f: Callable[..., Any], *args: PyTree, strict: bool = False
+) -> tuple[Any, tuple[GradientTree, ...] | Grads]:
     """The value of `f` and its gradient: `(value, grads)`.
 
     As `tg.gradient`, and if `f` returns a tuple (a NamedTuple included), its
@@ -275,7 +280,7 @@ class Pullback:
         return self._place(_BACK(self._back, arrays))
 
 
-def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
+def pullback(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, Pullback]:
     """The value of `f` and a function mapping an output cotangent to gradients.
 
     Arguments:
@@ -313,7 +318,7 @@ def pullback(f: Callable[..., Any], *args: Any) -> tuple[Any, Pullback]:
     return packed.value(), Pullback(back, packed, to_trees, entry.arg_trees({}))
 
 
-def jacobian(f: Callable[..., Any], *args: Any) -> Any:
+def jacobian(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, ...] | Grads:
     """The Jacobian of an array-valued function with respect to each argument.
 
     Arguments:
@@ -341,7 +346,7 @@ def jacobian(f: Callable[..., Any], *args: Any) -> Any:
     return _explicit(P.JACOBIAN, "tg.jacobian", f, args, ())[1][2]
 
 
-def hessian(f: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
+def hessian(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, ...]:
     """The Hessian of a scalar function with respect to each argument.
 
     Arguments:

@@ -100,10 +100,17 @@ def is_library_module(name: Any) -> bool:
     if r is None:
         r = _LIBRARY_MODULES[name] = (
             isinstance(name, str)
-            and name.partition(".")[0] in _LIBRARY_ROOTS
             and name not in _APPLICATIONS
+            and (name.partition(".")[0] in _LIBRARY_ROOTS or _installed(name))
         )
     return r
+
+
+def _installed(name: str) -> bool:
+    """A module of an installed package (site-packages): library code, not the user's."""
+    module = sys.modules.get(name.partition(".")[0])
+    path = getattr(module, "__file__", None) or ""
+    return "site-packages" in path or "dist-packages" in path
 
 
 def _is_library(obj: Any) -> bool:
@@ -167,9 +174,12 @@ def _is_pytree_node(x: Any) -> bool:
     t = type(x)
     r = _PYTREE_NODE.get(t)
     if r is None:
-        r = isinstance(x, Module) or not jax.tree_util.treedef_is_leaf(
-            jax.tree_util.tree_structure(x)
-        )
+        try:
+            r = isinstance(x, Module) or not jax.tree_util.treedef_is_leaf(
+                jax.tree_util.tree_structure(x)
+            )
+        except (TypeError, ValueError):  # a pytree that cannot flatten this value (unsortable keys)
+            return False
         _PYTREE_NODE[t] = r
     return r
 
@@ -555,7 +565,10 @@ class Walk:
         if isinstance(value, enum.Enum):
             return Same(value)
         if _is_pytree_node(value):
-            return self._tree(value, path)
+            try:
+                return self._tree(value, path)
+            except (TypeError, ValueError):  # this value cannot flatten (unsortable keys)
+                return Same(value)
         if _is_library(t) and t is not types.SimpleNamespace:
             return Same(value)
         if hasattr(value, "__dict__") or _slot_names(t):

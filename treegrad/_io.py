@@ -59,6 +59,7 @@ import numpy as np
 
 from . import _manifest
 from ._manifest import Manifest, ManifestError, Target
+from ._typing import PyTree
 
 _MANIFEST = "treegrad.json"
 _TMP_MANIFEST = ".treegrad.json.tmp-"
@@ -96,7 +97,7 @@ def _invalid(where: Path, why: str) -> CheckpointError:
 # ---------------------------------------------------------------- save
 
 
-def save(path: str | os.PathLike[str], tree: Any) -> None:
+def save(path: str | os.PathLike[str], tree: PyTree) -> None:
     """Write a model, an optimiser state, or any pytree (e.g. a tuple of them) to `path`.
 
     Arguments:
@@ -269,7 +270,7 @@ def _hash_files(folder: Path, data: str, sync: bool) -> list[tuple[str, int, str
 # ---------------------------------------------------------------- load
 
 
-def load(path: str | os.PathLike[str], like: Any) -> Any:
+def load(path: str | os.PathLike[str], like: PyTree) -> PyTree:
     """Read a checkpoint into a new tree with the structure of `like`.
 
     Arguments:

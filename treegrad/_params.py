@@ -22,6 +22,7 @@ import numpy as np
 from ._module import Module
 from ._paths import set_at
 from ._tree import describe_leaf, is_differentiable, path_str
+from ._typing import GradientTree, Model
 
 
 class NoGradientWarning(UserWarning):
@@ -110,7 +111,7 @@ class Params:
     __slots__ = ("_cache", "_removed", "_sources")
     __hash__ = None  # type: ignore[assignment]  # mutable, and equal by contents
 
-    def __init__(self, xs: Any = ()):
+    def __init__(self, xs: Model = ()):
         self._sources: list[Any] = []
         self._removed: set[int] = set()
         self._cache: dict[int, tuple[Any, list[int], list[tuple[Any, ...]]]] = {}
@@ -289,7 +290,7 @@ def _convert_numpy(tree: Any) -> None:
             set_at(tree, path, jnp.asarray(leaf))
 
 
-def params(xs: Any) -> Params:
+def params(xs: Model) -> Params:
     """The parameters of a model: the same as `tg.Params(xs)`.
 
     Arguments:
@@ -476,7 +477,7 @@ class Grads(Mapping[Any, Any]):
                 out.append(grads[i])
         return out
 
-    def to_tree(self, model: Any) -> Any:
+    def to_tree(self, model: Model) -> GradientTree:
         """The explicit gradient tree for `model`: what `tg.gradient(f, model)` gives.
 
         Leaves of `model` that are registered parameters get their gradient (a

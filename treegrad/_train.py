@@ -12,7 +12,7 @@ import math
 import operator
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,10 @@ from tqdm.auto import tqdm
 from ._gradient import withgradient
 from ._jit import jit
 from ._optim import OptState, update, update_
-from ._params import Params
+from ._params import Grads, Params
 from ._paths import rebind
 from ._tree import path_str
+from ._typing import Model, ModelOrParams
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -104,7 +105,7 @@ def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable
     def step(batch: tuple[Any, ...]) -> Any:
         value, grads = withgradient(lambda: loss(*batch), ps)
         update_(state, ps, grads)
-        return value, _finite([g for g in grads.values() if g is not None])
+        return value, _finite([g for g in cast(Grads, grads).values() if g is not None])
 
     return jit(step)
 
@@ -226,14 +227,14 @@ def _check_arity(loss: Any, n_batch: int, implicit: bool) -> None:
 
 def train(
     loss: Callable[..., Any],
-    model: Any,
+    model: ModelOrParams,
     data: Iterable[Any] | Callable[[], Iterable[Any]],
-    state: Any,
+    state: OptState,
     *,
     epochs: int = 1,
     callbacks: Iterable[Callable[[StepInfo], Any]] = (),
     progress: bool | None = None,
-) -> tuple[Any, Any, list[float]]:
+) -> tuple[OptState, Model, list[float]]:
     """Train `model` on `data`: one compiled step (gradient + update) per batch.
 
     Given a `tg.Params` instead of a model (Flux's `train!(loss, ps, data,
@@ -293,8 +294,9 @@ def train(
     callbacks = list(callbacks)
     n_epochs = _check_args(loss, model, state, epochs, callbacks)
     batches_of = _epochs(data, n_epochs)
-    implicit = isinstance(model, Params)
-    step_fn = _implicit_step(loss, model, state) if implicit else None
+    ps = model if isinstance(model, Params) else None
+    implicit = ps is not None
+    step_fn = None if ps is None else _implicit_step(loss, ps, state)
     checked = False
     losses: list[float] = []
     total = len(data) * n_epochs if isinstance(data, (list, tuple)) else None
@@ -310,8 +312,8 @@ def train(
                 if not checked:
                     _check_arity(loss, len(args), implicit)
                     checked = True
-                if step_fn is not None:
-                    v, ok = _implicit_train_step(step_fn, model, state, args, epoch, step, losses)
+                if step_fn is not None and ps is not None:
+                    v, ok = _implicit_train_step(step_fn, ps, state, args, epoch, step, losses)
                 else:
                     new_state, new_model, value, grads_ok = _step(loss, state, model, args)
                     v, ok = jax.device_get((value, grads_ok))
@@ -335,7 +337,7 @@ def train(
                 first_epoch_steps = step + 1
     finally:
         bar.close()
-    return state, (model.source if implicit else model), losses
+    return state, (model if ps is None else ps.source), losses
 
 
 def _implicit_train_step(
