@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._tree import unique_by_id
+
 
 class _Dyn:
     """Marks an array leaf among a tree's static leaves."""
@@ -23,18 +25,11 @@ DYN = _Dyn()
 
 
 def uniq(xs: list[Any]) -> tuple[list[Any], tuple[int, ...] | None]:
-    """`xs` without repeated objects, and where each came from (None: no repeats)."""
+    """`xs` without repeated objects, and where each came from (None: no repeats, the
+    common case, checked at C speed on every call)."""
     if len(set(map(id, xs))) == len(xs):
         return xs, None
-    index: dict[int, int] = {}
-    out: list[Any] = []
-    slots = []
-    for x in xs:
-        j = index.get(id(x))
-        if j is None:
-            j = index[id(x)] = len(out)
-            out.append(x)
-        slots.append(j)
+    out, slots = unique_by_id(xs)
     return out, tuple(slots)
 
 

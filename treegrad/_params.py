@@ -21,7 +21,7 @@ import numpy as np
 
 from ._module import Module
 from ._paths import set_at
-from ._tree import describe_leaf, is_differentiable, path_str
+from ._tree import describe_leaf, is_differentiable, path_str, unique_by_id
 from ._typing import GradientTree, Model
 
 
@@ -178,8 +178,11 @@ class Params:
         if len({id(a) for a in arrays}) != len(arrays):
             # Ties can change without changing the structure (a user tying two
             # weights by assignment); de-duplicate by identity, first wins.
-            keep = unique_positions(arrays)
-            return [arrays[k] for k in keep], [paths[k] for k in keep]
+            uniq, slots = unique_by_id(arrays)
+            first: dict[int, int] = {}
+            for k, s in enumerate(slots):
+                first.setdefault(s, k)
+            return uniq, [paths[first[s]] for s in range(len(uniq))]
         return arrays, paths
 
     def arrays(self) -> list[Any]:
@@ -221,17 +224,6 @@ def _scan(source: Any, leaves: list[Any], treedef: Any) -> tuple[Any, list[int],
             index.append(position[id(leaf)])
             paths.append(path)
     return treedef, index, paths
-
-
-def unique_positions(xs: list[Any]) -> list[int]:
-    """Positions of the first occurrence of each distinct object in `xs`."""
-    seen: set[int] = set()
-    out = []
-    for k, x in enumerate(xs):
-        if id(x) not in seen:
-            seen.add(id(x))
-            out.append(k)
-    return out
 
 
 def _checked_source(xs: Any, api: str) -> Any:
