@@ -325,13 +325,7 @@ class Entry:
     # Used while tracing.
     def args(self, vals: Sequence[Any]) -> Any:
         """The arguments rebuilt from their unique arrays (tracers while tracing)."""
-        arrays = expand(vals, self.a_slots)
-        if self.a_statics is None:
-            leaves = arrays
-        else:
-            it = iter(arrays)
-            leaves = [next(it) if s is DYN else s for s in self.a_statics]
-        return jax.tree_util.tree_unflatten(self.a_def, leaves)
+        return self._in_arg_tree(expand(vals, self.a_slots), keep_statics=True)
 
     def arg_trees(self, by_pos: dict[int, Any]) -> Any:
         """One value per argument array leaf, in the arguments' structure (None elsewhere).
@@ -344,11 +338,17 @@ class Entry:
         for u in range(self.n_args) if self.a_slots is None else self.a_slots:
             vals.append(None if u in first else by_pos.get(self.n_cl + u))
             first.add(u)
+        return self._in_arg_tree(vals, keep_statics=False)
+
+    def _in_arg_tree(self, arrays: list[Any], keep_statics: bool) -> Any:
+        """`arrays` at the arguments' array leaves; statics (or None) at the others."""
         if self.a_statics is None:
-            leaves = vals
+            leaves = arrays
         else:
-            it = iter(vals)
-            leaves = [next(it) if s is DYN else None for s in self.a_statics]
+            it = iter(arrays)
+            leaves = [
+                next(it) if s is DYN else (s if keep_statics else None) for s in self.a_statics
+            ]
         return jax.tree_util.tree_unflatten(self.a_def, leaves)
 
     def is_array_leaf(self) -> list[bool]:
