@@ -75,14 +75,16 @@ def host_batches(n=STEPS):
 
 
 def reference(n=STEPS):
-    """Plain jax.grad and optax on one device."""
+    """Plain jax.grad and optax on one device: the model after `n` steps, and the losses."""
     model = MLP(jax.random.key(0))
     opt = RULE.init(model)
+    losses = []
     for x, y in host_batches(n):
-        g = jax.grad(loss_fn)(model, jnp.asarray(x), jnp.asarray(y))
+        loss, g = jax.value_and_grad(loss_fn)(model, jnp.asarray(x), jnp.asarray(y))
         updates, opt = RULE.update(g, opt, model)
         model = optax.apply_updates(model, updates)
-    return model
+        losses.append(float(loss))
+    return model, losses
 
 
 def walk(tree, path):
@@ -108,7 +110,7 @@ def check_state(mesh, model, state):
 
 def check(mesh, expected, model, state, grads):
     """Values and layouts after training (`grads`: (param, gradient) pairs of the last step)."""
-    ref = tg.params(reference()).named()
+    ref = tg.params(reference()[0]).named()
     placed = tg.params(model).named()
     assert placed.keys() == ref.keys()
     for path, p in placed.items():
@@ -320,7 +322,7 @@ def test_setup_places_state_of_a_restored_model(tmp_path):
     for x, y in (tg.shard_batch(b, mesh2) for b in host_batches()):
         g = explicit_gradient(model2, x, y)
         state2, model2 = tg.update(state2, model2, g)
-    ref = tg.params(reference()).named()
+    ref = tg.params(reference()[0]).named()
     for path, p in tg.params(model2).named().items():
         assert same_layout(
             p, NamedSharding(mesh2, P("data", "model") if "weight" in path else P("data"))

@@ -161,7 +161,7 @@ def _mesh_for(mesh: Any, api: str) -> Mesh | None:
         return None if ctx.empty else ctx
     if not isinstance(mesh, Mesh):
         raise TypeError(
-            f"{api}: mesh must be a jax.sharding.Mesh, got a {type(mesh).__name__}; build one "
+            f"{api}: mesh must be a jax.sharding.Mesh, got {mesh!r:.60}; build one "
             "with jax.make_mesh((2, 4), ('data', 'model'))."
         )
     return mesh
@@ -427,7 +427,7 @@ def shard_batch(local_batch: Any, mesh: Mesh, spec: Any = DATA) -> Any:
     api = "tg.shard_batch"
     if not isinstance(mesh, Mesh):
         raise TypeError(
-            f"{api}: mesh must be a jax.sharding.Mesh, got a {type(mesh).__name__}; the call is "
+            f"{api}: mesh must be a jax.sharding.Mesh, got {mesh!r:.60}; the call is "
             "tg.shard_batch(local_batch, mesh, spec=P('data'))."
         )
     flat, treedef = jax.tree_util.tree_flatten_with_path(local_batch)

@@ -284,7 +284,7 @@ def _batch_placement(model: Any, mesh: Any, spec: Any) -> Callable[..., tuple[An
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(
-                f"tg.train: mesh must be a jax.sharding.Mesh, got a {type(mesh).__name__}; e.g. "
+                f"tg.train: mesh must be a jax.sharding.Mesh, got {mesh!r:.60}; e.g. "
                 "mesh=jax.make_mesh((8,), ('data',))."
             )
         return lambda batch, epoch, step: shard_batch(batch, mesh, spec)
