@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treegrad as tg
@@ -229,6 +229,23 @@ def test_train(kind):
     check(mesh, expected, model, state, [])
 
 
+def test_data_parallel_on_explicit_axes():
+    """jax.make_mesh's default axes carry shardings in the types; the same code trains."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    model = tg.shard(MLP(jax.random.key(0)), P(), mesh=mesh)
+    expected = tg.params(model).named()
+    state = tg.setup(RULE, model)
+    check_state(mesh, model, state)
+    for x, y in (tg.shard_batch(b, mesh) for b in host_batches()):
+        g = explicit_gradient(model, x, y)
+        grads = pairs(model, g)
+        state, model = tg.update(state, model, g)
+    check(mesh, expected, model, state, grads)
+    model = tg.shard(MLP(jax.random.key(0)), P(), mesh=mesh)
+    state, model, _ = tg.train(loss_fn, model, host_batches(), tg.setup(RULE, model), mesh=mesh)
+    check(mesh, expected, model, state, [])
+
+
 def test_gradient_follows_each_calls_placement():
     """One function, two layouts: each call's gradients take that call's layout."""
     mesh, _ = layout("fsdp")
@@ -328,3 +345,21 @@ def test_setup_places_state_of_a_restored_model(tmp_path):
             p, NamedSharding(mesh2, P("data", "model") if "weight" in path else P("data"))
         )
         np.testing.assert_allclose(np.asarray(p), np.asarray(ref[path]), rtol=1e-6, atol=1e-6)
+
+
+def test_specs_that_do_not_divide_are_named():
+    mesh, _ = layout("model")
+    with pytest.raises(
+        ValueError,
+        match=r"cannot place 'b' \(float32\[6\]\).*splits dimension 0 \(size 6\) into 4 parts "
+        r"over model, which does not divide it",
+    ):
+        tg.shard({"b": jnp.ones(6)}, P("model"), mesh=mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"'0' has 6 rows in dimension 0 in this process, which do not split evenly over "
+        r"its 4 devices along data; use a local batch size divisible by 4",
+    ):
+        tg.shard_batch(
+            (np.ones((6, 2)),), Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "m"))
+        )

@@ -49,14 +49,18 @@ def several_devices() -> bool:
     return _SEVERAL[0]
 
 
+def on_mesh(x: Any) -> NamedSharding | None:
+    """The sharding of a concrete array placed on several devices of a mesh, else None."""
+    s = getattr(x, "sharding", None)
+    return s if type(s) is NamedSharding and s.num_devices > 1 else None
+
+
 def placement_of(x: Any) -> NamedSharding | None:
-    """The layout to keep for `x`: a multi-device sharding on `Auto` axes, else None."""
+    """The layout the engine keeps for `x`: a multi-device sharding on `Auto` axes, else None."""
     if isinstance(x, jax.core.Tracer):
         return _KNOWN.get(id(x))
-    s = getattr(x, "sharding", None)
-    if type(s) is not NamedSharding or s.num_devices == 1:
-        return None
-    return None if AxisType.Explicit in s.mesh.axis_types else s
+    s = on_mesh(x)
+    return None if s is None or AxisType.Explicit in s.mesh.axis_types else s
 
 
 def placements(arrays: Sequence[Any]) -> tuple[NamedSharding | None, ...] | None:
@@ -93,18 +97,14 @@ def constrain(x: Any, s: Sharding | None) -> Any:
 
 def keep(x: Any, like: Any) -> Any:
     """`x` placed like `like` (a concrete array), inside a trace or not."""
-    s = placement_of(like)
-    if s is None:
-        return x
-    if isinstance(x, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(x, s)
-    return x if x.sharding == s else jax.device_put(x, s)
+    s = on_mesh(like)
+    return x if s is None else _put(x, s)
 
 
 def mesh_of(arrays: Sequence[Any]) -> Any:
     """The mesh of the first array placed on several devices (None: none is)."""
     for x in arrays:
-        s = placement_of(x)
+        s = on_mesh(x)
         if s is not None:
             return s.mesh
     return None
@@ -131,17 +131,24 @@ def place_state(leaves: Sequence[Any], owners: Sequence[Any]) -> list[Any]:
             # second moment): replicated.
             out.append(_put(x, replicated))
         else:
-            s = placement_of(p)
+            s = on_mesh(p)
             out.append(x if s is None else _put(x, s))
     return out
 
 
-def _put(x: Any, s: Sharding) -> Any:
+def _put(x: Any, s: NamedSharding) -> Any:
     if isinstance(x, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(x, s)
+        return _traced(x, s)
     if not isinstance(x, jax.Array) or x.sharding == s:
         return x
     return jax.device_put(x, s)
+
+
+def _traced(x: Any, s: Sharding) -> Any:
+    """A tracer placed on `s`: a constraint, or on `Explicit` axes (part of the type) a reshard."""
+    if isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types:
+        return jax.sharding.reshard(x, s)
+    return jax.lax.with_sharding_constraint(x, s)
 
 
 # --- tg.shard ------------------------------------------------------------------------
@@ -388,7 +395,7 @@ def _place(x: Any, s: Sharding) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     if isinstance(x, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(x, s)
+        return _traced(x, s)
     return jax.device_put(x, s)
 
 
