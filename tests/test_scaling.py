@@ -192,17 +192,11 @@ def test_train_with_a_mesh_equals_plain_optax(mesh):
 
 
 def test_on_eight_devices():
-    """Data, 2x4 model and fully sharded training in every style (tests/scaling_mesh.py)."""
+    """Data, 2x4 model and fully sharded training in every style (tests/scaling_mesh.py),
+    and the examples of docs/scaling.md, on 8 devices."""
     env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        str(HERE / "scaling_mesh.py"),
-    ]
+    cases = [str(HERE / "scaling_mesh.py"), str(HERE.parent / "docs" / "scaling.md")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cases]
     run = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-6000:] + run.stderr[-3000:]
     assert "skipped" not in run.stdout, run.stdout[-2000:]

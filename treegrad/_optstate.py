@@ -387,7 +387,7 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
     part = _Part(rule, state_def, param_def, tuple(leaf_ids), statemap, scope)
     p_leaves = [x for x in masked if x is not None]
     owners = [p_leaves[local] if local >= 0 else None for local in statemap]
-    return part, place_state(state_leaves, owners)
+    return part, place_state(state_leaves, owners, p_leaves)
 
 
 def trainable_slots(model: Any) -> tuple[list[Any], Any, list[int], list[Any]]:

@@ -50,9 +50,9 @@ def several_devices() -> bool:
 
 
 def on_mesh(x: Any) -> NamedSharding | None:
-    """The sharding of a concrete array placed on several devices of a mesh, else None."""
+    """The sharding of a concrete array placed on a mesh, else None."""
     s = getattr(x, "sharding", None)
-    return s if type(s) is NamedSharding and s.num_devices > 1 else None
+    return s if type(s) is NamedSharding else None
 
 
 def placement_of(x: Any) -> NamedSharding | None:
@@ -60,7 +60,9 @@ def placement_of(x: Any) -> NamedSharding | None:
     if isinstance(x, jax.core.Tracer):
         return _KNOWN.get(id(x))
     s = on_mesh(x)
-    return None if s is None or AxisType.Explicit in s.mesh.axis_types else s
+    if s is None or s.num_devices == 1 or AxisType.Explicit in s.mesh.axis_types:
+        return None
+    return s
 
 
 def placements(arrays: Sequence[Any]) -> tuple[NamedSharding | None, ...] | None:
@@ -102,7 +104,7 @@ def keep(x: Any, like: Any) -> Any:
 
 
 def mesh_of(arrays: Sequence[Any]) -> Any:
-    """The mesh of the first array placed on several devices (None: none is)."""
+    """The mesh of the first array placed on a mesh (None: none is)."""
     for x in arrays:
         s = on_mesh(x)
         if s is not None:
@@ -110,17 +112,15 @@ def mesh_of(arrays: Sequence[Any]) -> Any:
     return None
 
 
-def place_state(leaves: Sequence[Any], owners: Sequence[Any]) -> list[Any]:
+def place_state(leaves: Sequence[Any], owners: Sequence[Any], params: Sequence[Any]) -> list[Any]:
     """Optimiser state leaves on their parameter's layout; shared ones replicated.
 
     `owners[j]` is the parameter state leaf `j` belongs to, or None for an
     entry shared by all (optax's step `count`), which is replicated on the
-    parameters' mesh: created by optax on device 0, it would make every step
+    mesh of `params`: created by optax on device 0, it would make every step
     mix devices.
     """
-    if not several_devices():
-        return list(leaves)
-    mesh = mesh_of([p for p in owners if p is not None])
+    mesh = mesh_of(params)
     if mesh is None:
         return list(leaves)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -346,7 +346,7 @@ def shard(tree: Any, spec: Any, *, mesh: Mesh | None = None) -> Any:
         >>> model = {"layers": [{"weight": jnp.ones((4, 2)), "bias": jnp.zeros(4)}]}
         >>> model = tg.shard(model, {"layers.*.weight": P("model", None)}, mesh=mesh)
         >>> model["layers"][0]["weight"].sharding.spec
-        PartitionSpec('model', None)
+        P('model', None)
     """
     api = "tg.shard"
     m = _mesh_for(mesh, api)
@@ -429,7 +429,7 @@ def shard_batch(local_batch: Any, mesh: Mesh, spec: Any = DATA) -> Any:
         >>> mesh = jax.make_mesh((1,), ("data",))
         >>> x, y = tg.shard_batch((np.ones((4, 3)), np.zeros(4)), mesh)
         >>> x.shape, x.sharding.spec
-        ((4, 3), PartitionSpec('data',))
+        ((4, 3), P('data',))
     """
     api = "tg.shard_batch"
     if not isinstance(mesh, Mesh):
