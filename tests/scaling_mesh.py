@@ -363,3 +363,23 @@ def test_specs_that_do_not_divide_are_named():
         tg.shard_batch(
             (np.ones((6, 2)),), Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "m"))
         )
+
+
+def test_jit_in_shardings_are_the_gradients_layout():
+    """Inputs on one device, placed by tg.jit's in_shardings: gradients follow in_shardings."""
+    mesh, rules = layout("fsdp")
+    shardings = jax.tree.map(
+        lambda a: a.sharding, tg.shard(MLP(jax.random.key(0)), rules, mesh=mesh)
+    )
+    rows = NamedSharding(mesh, P("data"))
+    grad = tg.jit(
+        lambda m, x, y: tg.gradient(lambda m: loss_fn(m, x, y), m)[0],
+        in_shardings=(shardings, rows, rows),
+    )
+    model = MLP(jax.random.key(0))
+    x, y = map(jnp.asarray, host_batches(1)[0])
+    g = grad(model, x, y)
+    ref = jax.grad(loss_fn)(model, x, y)
+    for s, gp, r in zip(*map(jax.tree_util.tree_leaves, (shardings, g, ref)), strict=True):
+        assert gp.sharding.is_equivalent_to(s, gp.ndim), (gp.sharding, s)
+        np.testing.assert_allclose(np.asarray(gp), np.asarray(r), atol=1e-6)

@@ -191,6 +191,7 @@ class Entry:
             if in_shardings is not None:
                 kwargs["in_shardings"] = in_shardings
         self._jit_kwargs = kwargs
+        self._given = kwargs.get("in_shardings")  # tg.jit's in_shardings: the inputs' layout
         self._placed: dict[tuple[Any, ...], Any] = {}
         self.jitted = self._make(None)
 
@@ -205,7 +206,7 @@ class Entry:
 
     def compiled(self, dyn: Sequence[Any]) -> Any:
         """The program for these inputs' placement on a mesh (see `_shard`)."""
-        placed = placements(dyn)
+        placed = placements(dyn, self._given)
         if placed is None:
             return self.jitted
         # One program per placement: jax keys a traced program on shapes and
