@@ -26,7 +26,7 @@ from ._optstep import BadGradient, step, step_donating
 from ._optview import Leaf, OptState, SubState, rule_name
 from ._params import Grads, Params
 from ._paths import rebind
-from ._shard import keep, placements
+from ._shard import keep, placements, several_devices
 from ._tree import describe_leaf, first_difference, is_none, tree_map_shared, unique_by_id
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -220,7 +220,7 @@ def _run(
     run = step_donating if donate else step
     updated = tuple(params[i] for i in config.updated)
     kept = tuple(params[i] for i in config.kept)
-    placed = placements((*state._leaves, *updated))
+    placed = placements((*state._leaves, *updated)) if several_devices() else None
     try:
         leaves, new_updated = run(config, placed, state._leaves, updated, kept, g_in, present)
     except BadGradient as e:
