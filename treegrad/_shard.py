@@ -50,7 +50,9 @@ def several_devices() -> bool:
 
 
 def on_mesh(x: Any) -> NamedSharding | None:
-    """The sharding of a concrete array placed on a mesh, else None."""
+    """The sharding of an array placed on a mesh (a tracer: its input's), else None."""
+    if isinstance(x, jax.core.Tracer):
+        return _KNOWN.get(id(x))
     s = getattr(x, "sharding", None)
     return s if type(s) is NamedSharding else None
 
@@ -94,8 +96,8 @@ def tracing(tracers: Sequence[Any], placed: tuple[Any, ...] | None) -> Iterator[
     if placed is None:
         yield
         return
-    added = [id(t) for t, s in zip(tracers, placed, strict=True) if s is not None]
-    _KNOWN.update((id(t), s) for t, s in zip(tracers, placed, strict=True) if s is not None)
+    added = {id(t): s for t, s in zip(tracers, placed, strict=True) if s is not None}
+    _KNOWN.update(added)
     try:
         yield
     finally:

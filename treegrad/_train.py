@@ -294,8 +294,10 @@ def _batch_placement(model: Any, mesh: Any, spec: Any) -> Callable[..., tuple[An
 
     def check(batch: tuple[Any, ...], epoch: int, step: int) -> tuple[Any, ...]:
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            on_one = isinstance(x, np.ndarray) or (
-                isinstance(x, jax.Array) and len(x.sharding.device_set) == 1
+            # Rows are what data parallelism splits: a 0-d value may be copied.
+            on_one = getattr(x, "ndim", 0) > 0 and (
+                isinstance(x, np.ndarray)
+                or (isinstance(x, jax.Array) and len(x.sharding.device_set) == 1)
             )
             if on_one:
                 where, s = placed
