@@ -80,3 +80,24 @@ def test_implicit_vs_explicit():
     curves = load("implicit_vs_explicit").main(steps=30, verbose=False)
     assert curves["explicit"] == curves["implicit"]
     assert curves["explicit"][-1] < curves["explicit"][0]
+
+
+@pytest.mark.slow  # 8 s: two processes start jax; tests/test_scaling.py covers the same path
+def test_data_parallel_in_two_processes_equals_plain_optax():
+    dp = load("data_parallel")
+    report, losses = dp.main(steps=10, processes=2)
+    assert report.startswith("2 process(es), 8 devices: 10 steps")
+    import jax
+    import optax
+
+    model = dp.make_model(jax.random.key(0))
+    rule = optax.adam(3e-3)
+    opt = rule.init(model)
+    expected = []
+    for x, y in dp.local_batches(10):  # the whole batches, on one device
+        value, g = jax.value_and_grad(dp.loss)(model, x, y)
+        updates, opt = rule.update(g, opt, model)
+        model = optax.apply_updates(model, updates)
+        expected.append(float(value))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert losses[-1] < losses[0]

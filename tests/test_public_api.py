@@ -27,6 +27,8 @@ API = [
     "losses",
     "save",
     "load",
+    "shard",
+    "shard_batch",
 ]
 
 

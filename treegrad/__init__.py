@@ -29,6 +29,8 @@ from ._params import NoGradientError as NoGradientError
 from ._params import NoGradientWarning as NoGradientWarning
 from ._params import Params as Params
 from ._params import params as params
+from ._shard import shard as shard
+from ._shard import shard_batch as shard_batch
 from ._train import NonFiniteLossError as NonFiniteLossError
 from ._train import StepInfo as StepInfo
 from ._train import train as train

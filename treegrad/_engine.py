@@ -37,6 +37,7 @@ from . import _jaxpr
 from ._guardcode import Guard, WriteBack
 from ._outputs import DYN, Written, expand, uniq
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
+from ._shard import placements
 from ._swap import Swap, holders
 from ._tree import describe_leaf, is_inexact
 
@@ -164,6 +165,8 @@ class Entry:
         self._donate_fn = donate
         self._shardings_fn = shardings
         self.jitted: Any = None
+        # While tracing: the mesh sharding of each input (None: not on a mesh).
+        self.placement: tuple[Any, ...] | None = None
 
     def bind(self, cl: list[Any], a_uniq: list[Any], params: Sequence[Any] | None) -> list[Any]:
         """Fix what depends on the first call's inputs: ties, parameters, what to differentiate."""
@@ -180,12 +183,6 @@ class Entry:
         return dyn
 
     def _build(self) -> None:
-        n_extra = len(self._extra_avals())
-
-        def program(*dyn: Any) -> Any:
-            n = len(dyn) - n_extra
-            return trace(self, list(dyn[:n]), dyn[n:])
-
         kwargs: dict[str, Any] = {}
         if self._donate_fn is not None:
             kwargs["donate_argnums"] = self._donate_fn(self)
@@ -193,7 +190,33 @@ class Entry:
             in_shardings = self._shardings_fn(self)
             if in_shardings is not None:
                 kwargs["in_shardings"] = in_shardings
-        self.jitted = jax.jit(program, **kwargs)
+        self._jit_kwargs = kwargs
+        self._given = kwargs.get("in_shardings")  # tg.jit's in_shardings: the inputs' layout
+        self._placed: dict[tuple[Any, ...], Any] = {}
+        self.jitted = self._make(None)
+
+    def _make(self, placed: tuple[Any, ...] | None) -> Any:
+        n_extra = len(self._extra_avals())
+
+        def program(*dyn: Any) -> Any:
+            n = len(dyn) - n_extra
+            return trace(self, list(dyn[:n]), dyn[n:], placed)
+
+        return jax.jit(program, **self._jit_kwargs)
+
+    def compiled(self, dyn: Sequence[Any]) -> Any:
+        """The program for these inputs' placement on a mesh (see `_shard`)."""
+        placed = placements(dyn, self._given)
+        if placed is None:
+            return self.jitted
+        # One program per placement: jax keys a traced program on shapes and
+        # dtypes only, and the gradients' sharding constraints are baked in.
+        jitted = self._placed.get(placed)
+        if jitted is None:
+            if len(self._placed) >= 8:
+                self._placed.clear()
+            jitted = self._placed[placed] = self._make(placed)
+        return jitted
 
     def matches(self, cl: list[Any], params: Sequence[Any] | None) -> list[Any] | None:
         """The closure's unique inputs if this entry's ties and parameters fit, else None."""
@@ -219,7 +242,7 @@ class Entry:
         before = {id(a) for a in jax.live_arrays()}
         self.stack.append(roots)
         try:
-            traced = self.jitted.trace(*dyn, *self._extra())
+            traced = self.compiled(dyn).trace(*dyn, *self._extra())
         finally:
             self.stack.pop()
         closed = traced.jaxpr
@@ -284,7 +307,8 @@ class Entry:
     def run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
         self.stack.append(roots)
         try:
-            out = self.jitted(*dyn, cotangent()) if self.program == GRAD else self.jitted(*dyn)
+            program = self.compiled(dyn)
+            out = program(*dyn, cotangent()) if self.program == GRAD else program(*dyn)
         finally:
             self.stack.pop()
         if self.demoted:

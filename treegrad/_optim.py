@@ -26,6 +26,7 @@ from ._optstep import BadGradient, step, step_donating
 from ._optview import Leaf, OptState, SubState, rule_name
 from ._params import Grads, Params
 from ._paths import rebind
+from ._shard import keep, placements, several_devices
 from ._tree import describe_leaf, first_difference, is_none, tree_map_shared, unique_by_id
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -219,8 +220,9 @@ def _run(
     run = step_donating if donate else step
     updated = tuple(params[i] for i in config.updated)
     kept = tuple(params[i] for i in config.kept)
+    placed = placements((*state._leaves, *updated)) if several_devices() else None
     try:
-        leaves, new_updated = run(config, state._leaves, updated, kept, g_in, present)
+        leaves, new_updated = run(config, placed, state._leaves, updated, kept, g_in, present)
     except BadGradient as e:
         raise ValueError(f"{api}: {e}") from None
     new_params = list(params)
@@ -550,7 +552,9 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
                 f"destructure's rebuild expects a vector of shape {flat.shape}, got "
                 f"{getattr(v, 'shape', type(v).__name__)}"
             )
-        parts: Sequence[Any] = unravel(v)
+        # Each array back on its own sharding: the pieces of `v` are slices of
+        # one vector, which XLA lays out as it likes.
+        parts: Sequence[Any] = [keep(x, old) for x, old in zip(unravel(v), uniq, strict=True)]
         if shared:
             by_id = {id(old): new for old, new in zip(uniq, parts, strict=True)}
             return tree_map_shared(lambda leaf: by_id.get(id(leaf), leaf), model)

@@ -34,6 +34,7 @@ import optax
 
 from ._module import Module, register_child_type
 from ._params import trainable_leaves_with_path
+from ._shard import place_state
 from ._tree import first_difference, functor, is_differentiable, path_str, unique_by_id
 
 
@@ -382,10 +383,11 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
     param_def = jax.tree_util.tree_structure(tree)
     state = rule.init(tree)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
-    part = _Part(
-        rule, state_def, param_def, tuple(leaf_ids), _statemap(rule, state, param_def), scope
-    )
-    return part, state_leaves
+    statemap = _statemap(rule, state, param_def)
+    part = _Part(rule, state_def, param_def, tuple(leaf_ids), statemap, scope)
+    p_leaves = [x for x in masked if x is not None]
+    owners = [p_leaves[local] if local >= 0 else None for local in statemap]
+    return part, place_state(state_leaves, owners, p_leaves)
 
 
 def trainable_slots(model: Any) -> tuple[list[Any], Any, list[int], list[Any]]:

@@ -23,6 +23,7 @@ import optax
 
 from ._optstate import _Config
 from ._optview import rule_name
+from ._shard import constrain
 from ._tree import describe_leaf
 
 
@@ -55,6 +56,7 @@ def _gradient_problem(param: Any, g: Any) -> str | None:
 
 def _step_impl(
     config: _Config,
+    placed: tuple[Any, ...] | None,
     states: tuple[Any, ...],
     updated: tuple[Any, ...],
     kept: tuple[Any, ...],
@@ -65,7 +67,9 @@ def _step_impl(
 
     `updated`/`kept` are the distinct parameters that may change / are frozen
     (separate so that only the former are donated); `grads` has one gradient
-    per trainable place, a placeholder where `present` is False.
+    per trainable place, a placeholder where `present` is False. `placed`:
+    the mesh sharding of each state array and updated parameter (None when
+    none is on a mesh), which the new ones keep.
     """
     params: list[Any] = [None] * config.n
     for i, x in zip(config.updated + config.kept, updated + kept, strict=True):
@@ -83,7 +87,12 @@ def _step_impl(
             new_states[lo:hi] = _part_step(
                 config, k, states[lo:hi], params, total, seen, new_params
             )
-    return tuple(new_states), tuple(new_params[i] for i in config.updated)
+    new_updated = [new_params[i] for i in config.updated]
+    if placed is not None:
+        n = len(states)
+        new_states = [constrain(x, p) for x, p in zip(new_states, placed[:n], strict=True)]
+        new_updated = [constrain(x, p) for x, p in zip(new_updated, placed[n:], strict=True)]
+    return tuple(new_states), tuple(new_updated)
 
 
 def _sum_over_places(
@@ -144,8 +153,8 @@ def _part_step(
     return new
 
 
-step = jax.jit(_step_impl, static_argnums=0)
+step = jax.jit(_step_impl, static_argnums=(0, 1))
 # The parameters that may change and the optax state: each array appears once
 # (tied weights are one parameter; split parts hold copies), so no buffer is
 # donated twice.
-step_donating = jax.jit(_step_impl, static_argnums=0, donate_argnums=(1, 2))
+step_donating = jax.jit(_step_impl, static_argnums=(0, 1), donate_argnums=(2, 3))

@@ -5,6 +5,7 @@ plain call).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from . import _guard as G
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
+from ._shard import constrain, tracing
 from ._swap import Settle, Swap, Unsettled
 
 if TYPE_CHECKING:
@@ -34,17 +36,27 @@ _TRACE_ERRORS = (
 )
 
 
-def trace(entry: Entry, dyn: list[Any], extra: tuple[Any, ...]) -> Any:
-    """The traced program: the user's function run on its own objects, holding tracers."""
+def trace(
+    entry: Entry, dyn: list[Any], extra: tuple[Any, ...], placed: tuple[Any, ...] | None
+) -> Any:
+    """The traced program: the user's function run on its own objects, holding tracers.
+
+    `placed` holds the mesh sharding of each input of the call (None when no
+    input is on a mesh): gradients are constrained to it, and calls nested in
+    this trace find it for these tracers.
+    """
     roots = entry.stack[-1]
     swap = Swap(expand(dyn[: entry.n_cl], entry.cl_slots))
+    outer, entry.placement = entry.placement, placed
     try:
         fns = [swap.put(node, root) for node, root in zip(entry.nodes, roots, strict=True)]
         for node in entry.absolute:
             swap.put(node, None)
-        return _PROGRAMS[entry.program](entry, fns, dyn, *extra)
+        with tracing(dyn, placed):
+            return _PROGRAMS[entry.program](entry, fns, dyn, *extra)
     finally:
         swap.restore()
+        entry.placement = outer
 
 
 def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -> Any:
@@ -177,6 +189,11 @@ def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
         # gradients depend on it; the loss itself is an output only when asked
         # for, so XLA drops the forward work the gradient does not need.
         grads = [conj(g) for g in vjp(ct.astype(loss.dtype))]
+        if entry.placement is not None:
+            # Each gradient on its parameter's sharding: left to itself XLA
+            # often makes a fully sharded (FSDP) parameter's gradient
+            # replicated (see _shard.py).
+            grads = [constrain(g, entry.placement[i]) for i, g in zip(active, grads, strict=True)]
     else:
         loss, (out, written) = loss_of()
         grads = []
@@ -203,12 +220,24 @@ def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
 
     arrays, vjp, written = jax.vjp(outputs, *[dyn[i] for i in active], has_aux=True)
     entry.n_deps = len(arrays)
-    back = jax.tree_util.Partial(_back, vjp)
+    placed = entry.placement
+    fn = _back if placed is None else _placed_back(tuple(placed[i] for i in active))
+    back = jax.tree_util.Partial(fn, vjp)
     return arrays, Packed(arrays, holder[0]), back, Written.of(written)
 
 
 def _back(vjp: Any, dy: Any) -> list[Any]:
     return [conj(g) for g in vjp(dy)]
+
+
+@functools.lru_cache(maxsize=64)
+def _placed_back(placed: tuple[Any, ...]) -> Callable[[Any, Any], list[Any]]:
+    # One function per placement (it keys the compiled backward pass), each
+    # gradient constrained to its input's sharding as in `_grad_program`.
+    def back(vjp: Any, dy: Any) -> list[Any]:
+        return [constrain(g, s) for g, s in zip(_back(vjp, dy), placed, strict=True)]
+
+    return back
 
 
 def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:

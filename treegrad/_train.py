@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from ._gradient import withgradient
@@ -24,7 +25,8 @@ from ._jit import jit
 from ._optim import OptState, update, update_
 from ._params import Grads, Params
 from ._paths import rebind
-from ._tree import path_str
+from ._shard import DATA, shard_batch
+from ._tree import describe_leaf, path_str
 from ._typing import Model, ModelOrParams
 
 
@@ -234,6 +236,8 @@ def train(
     epochs: int = 1,
     callbacks: Iterable[Callable[[StepInfo], Any]] = (),
     progress: bool | None = None,
+    mesh: Mesh | None = None,
+    batch_spec: Any = DATA,
 ) -> tuple[OptState, Model, list[float]]:
     """Train `model` on `data`: one compiled step (gradient + update) per batch.
 
@@ -256,6 +260,15 @@ def train(
         epochs: passes over `data`.
         callbacks: functions called with a `tg.StepInfo` after every step.
         progress: show a progress bar (default: only on a terminal).
+        mesh: a `jax.sharding.Mesh`: each batch is this process's part of the
+            global batch, placed with `tg.shard_batch(batch, mesh, batch_spec)`
+            (data parallel, in one process or many). Without a mesh, a batch
+            of host (numpy) or one-device arrays for a model placed on
+            several devices is an error: inside the step it would be copied
+            whole to every device.
+        batch_spec: how each batch is split over `mesh` (default `P("data")`:
+            rows over the `"data"` axis; `P()` replicates it on purpose), or
+            a pytree prefix of specs for the batch tuple.
 
     Returns:
         `(state, model, losses)` with one loss per step. The inputs are not
@@ -266,8 +279,10 @@ def train(
         NonFiniteLossError: the loss or a gradient became NaN or infinite; the
             error names the epoch, step (and gradient path), and carries the
             last good `state` and `model`.
-        TypeError: `loss`, `data`, `state`, `epochs` or `callbacks` is not what
-            is described here; the message names the argument and the fix.
+        TypeError: `loss`, `data`, `state`, `epochs`, `callbacks` or `mesh` is
+            not what is described here; the message names the argument and
+            the fix.
+        ValueError: a batch not placed on the mesh of a model that is (see `mesh`).
 
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
@@ -298,6 +313,7 @@ def train(
     implicit = ps is not None
     step_fn = None if ps is None else _implicit_step(loss, ps, state)
     checked = False
+    place = _batch_placement(model, mesh, batch_spec)
     losses: list[float] = []
     total = len(data) * n_epochs if isinstance(data, (list, tuple)) else None
     bar = tqdm(
@@ -308,7 +324,7 @@ def train(
         for epoch in range(n_epochs):
             step = -1
             for step, batch in enumerate(batches_of()):
-                args = batch if isinstance(batch, tuple) else (batch,)
+                args = place(batch if isinstance(batch, tuple) else (batch,), epoch, step)
                 if not checked:
                     _check_arity(loss, len(args), implicit)
                     checked = True
@@ -370,6 +386,56 @@ def _implicit_train_step(
             step=step,
         )
     return v, True
+
+
+def _batch_placement(model: Any, mesh: Any, spec: Any) -> Callable[..., tuple[Any, ...]]:
+    """How each batch is placed: sharded over `mesh`, or checked against the model's layout."""
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"tg.train: mesh must be a jax.sharding.Mesh, got {mesh!r:.60}; e.g. "
+                "mesh=jax.make_mesh((8,), ('data',))."
+            )
+        return lambda batch, epoch, step: shard_batch(batch, mesh, spec)
+    placed = _placed_leaf(model)
+    if placed is None:
+        return lambda batch, epoch, step: batch
+
+    def check(batch: tuple[Any, ...], epoch: int, step: int) -> tuple[Any, ...]:
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            # Rows are what data parallelism splits: a 0-d value may be copied.
+            on_one = getattr(x, "ndim", 0) > 0 and (
+                isinstance(x, np.ndarray)
+                or (isinstance(x, jax.Array) and len(x.sharding.device_set) == 1)
+            )
+            if on_one:
+                where, s = placed
+                raise ValueError(
+                    f"tg.train: the model is placed on {s.num_devices} devices ({where!r} on "
+                    f"{s.mesh}), but batch {step} of epoch {epoch} holds "
+                    f"{'a numpy' if isinstance(x, np.ndarray) else 'a one-device'} array at "
+                    f"{path_str(path) or '<root>'!r} ({describe_leaf(x)}), which the step "
+                    "would copy whole to every device: no data parallelism. Pass mesh=mesh to "
+                    "split each batch over it (batch_spec=P('data') by default; P() to "
+                    "replicate it on purpose), or place the batches with tg.shard_batch."
+                )
+        return batch
+
+    return check
+
+
+def _placed_leaf(model: Any) -> tuple[str, Any] | None:
+    """The path and sharding of the model's first array placed on several devices."""
+    arrays = (
+        list(model.named().items())
+        if isinstance(model, Params)
+        else [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(model)[0]]
+    )
+    for path, x in arrays:
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.num_devices > 1:
+            return path, s
+    return None
 
 
 def _nonfinite(
