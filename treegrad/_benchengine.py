@@ -18,9 +18,13 @@ import jax.numpy as jnp
 import optax
 
 
-def _per_call(fn: Callable[[], Any], number: int = 2000, repeat: int = 7) -> float:
-    """Microseconds per call: the fastest of `repeat` runs (the least disturbed by noise)."""
+def _per_call(fn: Callable[[], Any], repeat: int = 7, budget: float = 0.1) -> float:
+    """Microseconds per call: the fastest of `repeat` runs (the least disturbed by noise),
+    each of as many calls as fit in about `budget` seconds (at least 5)."""
+    t = time.perf_counter()
     fn()
+    once = time.perf_counter() - t
+    number = max(5, min(2000, int(budget / max(once, 1e-7))))
     return 1e6 * min(timeit.repeat(fn, number=number, repeat=repeat)) / number
 
 
@@ -72,7 +76,7 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
 
 
 def format_breakdown(parts: dict[str, float]) -> str:
-    lines = ["per-call overhead breakdown (us per call, fastest of 7 x 2000 calls):"]
+    lines = ["per-call overhead breakdown (us per call, fastest of 7 runs):"]
     lines += [f"  {name:<40} {us:>8.2f}" for name, us in parts.items()]
     return "\n".join(lines)
 

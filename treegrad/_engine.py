@@ -36,6 +36,7 @@ from . import _guard as G
 from . import _jaxpr
 from ._guardcode import Guard, WriteBack
 from ._outputs import DYN, Written, expand, uniq
+from ._paths import _SETTERS
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
@@ -428,7 +429,7 @@ _CACHE: dict[Any, list[Entry]] = {}
 _LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
 _WARNED: set[Any] = set()
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
-MEMOS: list[Any] = []
+MEMOS: list[Any] = [_SETTERS]
 
 
 def execute(

@@ -470,3 +470,33 @@ def _set(obj: Any, key: Any, expr: str, val: str) -> str | None:
     if isinstance(key, jax.tree_util.DictKey) and isinstance(obj, dict):
         return f"{expr}[{key.key!r}] = {val}"
     return None
+
+
+def tree_setter(root: Any) -> Callable[[Any, list[Any]], None] | None:
+    """`set(root, vals)`: put `vals[i]` (where not None) at leaf `i` of a tree like `root`.
+
+    Generated from `root`'s key paths; trees of the same structure (the same
+    treedef, which fixes every container's type) share it. None when a leaf
+    cannot be assigned in place (it sits in a tuple, or in a node without keys).
+    """
+    lines = []
+    for i, (key, _) in enumerate(jax.tree_util.tree_flatten_with_path(root)[0]):
+        if not key:
+            return None
+        expr, obj = "root", root
+        for k in key[:-1]:
+            step = _step(obj, k)
+            if step is None or isinstance(obj, tuple):
+                return None
+            expr, obj = f"{expr}{step}", _get(obj, k)
+        if isinstance(obj, tuple):
+            return None
+        assign = _set(obj, key[-1], expr, f"vals[{i}]")
+        if assign is None:
+            return None
+        lines.append(f"    if vals[{i}] is not None:\n        {assign}")
+    src = "def set(root, vals):\n" + ("\n".join(lines) or "    pass") + "\n"
+    ns: dict[str, Any] = {}
+    exec(compile(src, "<treegrad rebind>", "exec"), ns)
+    setter: Callable[[Any, list[Any]], None] = ns["set"]
+    return setter

@@ -94,6 +94,13 @@ def register_in_place(cls: type, set_leaves: Callable[[Any, list[Any]], None]) -
     IN_PLACE[cls] = set_leaves
 
 
+# Per treedef: generated code assigning new leaves where the old ones live (None:
+# the tree has a place that cannot be assigned in place, such as a tuple). Built
+# once per model structure, it makes tg.update_'s rebinding a few assignments.
+_SETTERS: dict[Any, Any] = {}
+_UNKNOWN = object()
+
+
 def rebind(root: Any, changed: dict[int, Any]) -> None:
     """Replace, in place, every leaf of `root` whose id is in `changed` by its new value.
 
@@ -101,6 +108,18 @@ def rebind(root: Any, changed: dict[int, Any]) -> None:
     into children), rebuilding tuples on the way back up; about the cost of one
     flatten. Foreign pytrees fall back to rebinding by key path.
     """
+    leaves, treedef = jax.tree_util.tree_flatten(root)
+    setter = _SETTERS.get(treedef, _UNKNOWN)
+    if setter is _UNKNOWN:
+        from ._guardcode import tree_setter
+
+        setter = _SETTERS[treedef] = tree_setter(root)
+    if setter is not None:
+        vals = [changed.get(id(leaf)) for leaf in leaves]
+        hit = {id(leaf) for leaf, v in zip(leaves, vals, strict=True) if v is not None}
+        if len(hit) == len(changed):
+            setter(root, vals)
+            return
     found: set[int] = set()
     if _rebind_node(root, changed, found) is not root:
         raise TypeError(
