@@ -26,6 +26,8 @@ references; the program holds what jax compiled.
 from __future__ import annotations
 
 import collections
+import functools
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +43,7 @@ from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
 from ._tree import describe_leaf, is_inexact
+from ._walk import _SLOT_NAMES, Walk, describe, node_types
 
 
 class RetraceWarning(UserWarning):
@@ -67,13 +70,13 @@ class RetraceWarning(UserWarning):
 def root_key(f: Any) -> Any:
     """What a function's cache entries are filed under: its code, for a function."""
     t = type(f)
-    if t is G.types.FunctionType:
+    if t is types.FunctionType:
         return f.__code__
-    if t is G.types.MethodType:
+    if t is types.MethodType:
         return ("method", root_key(f.__func__), type(f.__self__))
     if t is G._JITTED_TYPE:
         return ("jit", root_key(getattr(f, "__wrapped__", None)))
-    if isinstance(f, G.functools.partial):
+    if isinstance(f, functools.partial):
         return ("partial", root_key(f.func))
     return t
 
@@ -137,9 +140,9 @@ class Entry:
         # tg.jit: values of static arguments (by position or name), output shardings.
         self.statics = statics or {}
         self.out_shardings = out_shardings
-        walk = G.Walk()
+        walk = Walk()
         self.nodes = [walk.root(r) for r in call.roots]
-        for cls in G._node_types(call.a_def):
+        for cls in node_types(call.a_def):
             if not G._is_library(cls):
                 walk._absolute(cls)
         for s in call.a_statics or ():
@@ -197,7 +200,7 @@ class Entry:
         self.jitted = self._make(None)
 
     def _make(self, placed: tuple[Any, ...] | None) -> Any:
-        n_extra = len(self._extra_avals())
+        n_extra = 1 if self.program == GRAD else 0  # the cotangent
 
         def program(*dyn: Any) -> Any:
             n = len(dyn) - n_extra
@@ -275,9 +278,6 @@ class Entry:
 
     def _extra(self) -> tuple[Any, ...]:
         return (cotangent(),) if self.program == GRAD else ()
-
-    def _extra_avals(self) -> tuple[Any, ...]:
-        return (None,) if self.program == GRAD else ()
 
     def grad_order(self) -> list[int]:
         """The active positions in the order their gradients are leaves of the output."""
@@ -414,7 +414,7 @@ def _static_functions(treedef: Any) -> list[Any]:
         td = stack.pop()
         data = td.node_data()
         if data is not None and isinstance(data[1], _Static):
-            out.extend(v for _, v in data[1].items if type(v) is G.types.FunctionType)
+            out.extend(v for _, v in data[1].items if type(v) is types.FunctionType)
         stack.extend(td.children())
     return out
 
@@ -429,7 +429,7 @@ _CACHE: dict[Any, list[Entry]] = {}
 _LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
 _WARNED: set[Any] = set()
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
-MEMOS: list[Any] = [_SETTERS]
+MEMOS: list[Any] = [_SETTERS, _SLOT_NAMES]
 
 
 def execute(
@@ -486,7 +486,7 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
     _WARNED.add(code)
     what = ", ".join(entry.hidden[:5])
     warnings.warn(
-        f"treegrad cannot cache {G._describe(f)}: it captures {len(entry.hidden)} array(s) "
+        f"treegrad cannot cache {describe(f)}: it captures {len(entry.hidden)} array(s) "
         f"({what}) through objects it cannot see into, so it is re-traced on every call to "
         "stay correct. Pass these arrays as arguments, or hold them in a tg.Module, list, "
         "dict, plain object or a closure variable.",

@@ -186,7 +186,7 @@ class Guard:
         elif isinstance(node, Fixed):
             obj = self._v()
             self._emit(d, f"{obj} = {self._k(node.obj.ref)}()")
-            self._func(node.func, obj, d)  # type: ignore[arg-type]  # Fixed holds a Func
+            self._func(node.func, obj, d)
         elif isinstance(node, Attrs):
             obj = self._v()
             k = self._k(node.obj.ref)

@@ -125,9 +125,9 @@ class Swap:
             self.put(node.inner, getattr(v, node.attr))
             return v
         if isinstance(node, Obj):
-            d = getattr(v, "__dict__", None)
+            d: dict[str, Any] = vars(v) if node.attrs else {}
             for name, child in node.attrs:
-                self._set_item(d, name, self.put(child, d[name]))  # type: ignore[index]
+                self._set_item(d, name, self.put(child, d[name]))
             for name, child in node.slots:
                 self._set_attr(v, name, self.put(child, getattr(v, name)))
             return v
@@ -137,7 +137,7 @@ class Swap:
             self.put(node.source, v._sources)  # a list: rebound in place
             return v
         if isinstance(node, Fixed):
-            self._func(node.func, node.obj.get())  # type: ignore[arg-type]  # Fixed holds a Func
+            self._func(node.func, node.obj.get())
             return v
         if isinstance(node, Attrs):
             obj = node.obj.get()
@@ -369,7 +369,10 @@ class Settle:
             node.source = self.node(node.source, v._sources)
             return node
         if isinstance(node, Fixed):
-            node.func = self.node(node.func, node.obj.get())
+            func = self.node(node.func, node.obj.get())
+            if not isinstance(func, Func):  # the function's code changed while tracing
+                raise Unsettled
+            node.func = func
             return node
         if isinstance(node, Attrs):
             d = vars(node.obj.get())
