@@ -405,3 +405,19 @@ def test_random_closures_are_never_stale():
 @pytest.mark.slow
 def test_three_hundred_random_closures_are_never_stale():
     _run_random_closures(seed=1, n=300)
+
+
+def test_a_dict_the_function_writes_into_is_still_read_fresh():
+    cfg = {"scale": 2.0, "calls": 0}
+
+    def f(v):
+        cfg["calls"] += 1  # a side effect while tracing: that entry is not checked
+        return jnp.sum(v) * cfg["scale"]
+
+    check(f)
+    cfg["scale"] = 7.0  # but the entry it reads is
+    check(f)
+    cfg["calls"] = 100  # no re-trace for the entry it writes
+    before = cfg["calls"]
+    tg.gradient(f, w)
+    assert cfg["calls"] == before

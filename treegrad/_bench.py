@@ -68,7 +68,7 @@ Runner = Callable[[int], None]
 
 def _systems(
     sizes: list[int], batch: int, anchors: bool = True
-) -> tuple[dict[str, Runner], list[str], dict[str, int]]:
+) -> tuple[dict[str, Runner], list[str], dict[str, list[int]]]:
     import treegrad as tg
 
     key = jax.random.key(0)
@@ -77,7 +77,6 @@ def _systems(
     opt = optax.adam(LR)
     systems: dict[str, Runner] = {}
     notes: list[str] = []
-    traces = {"naive": 0, "implicit": 0}
 
     ps0 = _init(sizes, key)
 
@@ -143,8 +142,14 @@ def _systems(
         jax.block_until_ready(m)
         s[:] = [st, m]
 
+    # One counter per loss: a compiled function that changes a container reads
+    # the container's other entries fresh, so a shared dict would re-trace both.
+    naive_traces = [0]
+    implicit_traces = [0]
+    traces = {"naive": naive_traces, "implicit": implicit_traces}
+
     def counted(m: Any, x: Any, y: Any) -> Any:
-        traces["naive"] += 1
+        naive_traces[0] += 1
         return _tg_loss(m, x, y)
 
     def tg_naive(n: int, s: list[Any] = [tg.setup(opt, m0), m0]) -> None:  # noqa: B006, B008
@@ -160,7 +165,7 @@ def _systems(
     st_imp = tg.setup(opt, ps)
 
     def counted_implicit() -> Any:
-        traces["implicit"] += 1
+        implicit_traces[0] += 1
         return _tg_loss(m_imp, x, y)
 
     def tg_implicit(n: int) -> None:
@@ -296,7 +301,7 @@ def _anchors(
 
 def measure(
     sizes: list[int], batch: int, steps: int, repeats: int, anchors: bool = True
-) -> tuple[dict[str, list[float]], list[str], dict[str, int]]:
+) -> tuple[dict[str, list[float]], list[str], dict[str, list[int]]]:
     systems, notes, traces = _systems(sizes, batch, anchors)
     for run in systems.values():
         run(3)  # compile and warm up
@@ -434,7 +439,8 @@ def main(
             )
         )
         print(
-            f"traces of the loss: naive loop {traces['naive']}, implicit loop {traces['implicit']}"
+            f"traces of the loss: naive loop {traces['naive'][0]}, "
+            f"implicit loop {traces['implicit'][0]}"
         )
         fc = first_call(layer_sizes, batch)
         print(

@@ -244,12 +244,10 @@ class Settle:
         return Unchecked()
 
     def _container(self, node: Node, children: list[Node]) -> Node:
-        # A container the function wrote into (a counter dict, a log list) is its
-        # output as a whole: another function's writes to it must not invalidate
-        # this one's guard.
-        if any(isinstance(c, Unchecked) for c in children) and not has_places(node):
-            self.demoted = True
-            return Unchecked()
+        # Only the entries the function changed stop being checked: it may read
+        # other entries of the same dict (a config it also logs into), and those
+        # must stay fresh. Two compiled functions writing different entries of
+        # one dict therefore re-trace each other: slower, never stale.
         return node
 
     def node(self, node: Node, v: Any) -> Node:
