@@ -21,6 +21,7 @@ import jax
 from . import _engine as E
 from . import _guard as G
 from . import _programs as P
+from ._shard import by_prefix
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
 
@@ -197,18 +198,12 @@ def _prefix_leaves(prefix: Any, entry: E.Entry, pos_def: Any) -> list[Any]:
             "arguments; give one (a sharding or a pytree prefix of shardings) per argument."
         )
     leaves: list[Any] = []
-    for p, a in zip(prefix, args, strict=True):
-        p_leaves, p_treedef = jax.tree_util.tree_flatten(p, is_leaf=lambda x: x is None)
-        p_def: Any = p_treedef  # jaxlib's stub lacks flatten_up_to
-        try:
-            subtrees = p_def.flatten_up_to(a)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"tg.jit: in_shardings entry {p!r:.80} is not a pytree prefix of the argument "
-                f"it shards ({e})."
-            ) from None
-        for s, sub in zip(p_leaves, subtrees, strict=True):
-            leaves.extend([s] * sum(1 for flag in jax.tree_util.tree_leaves(sub) if flag))
+    for p, flags in zip(prefix, args, strict=True):
+        # `flags` is the argument's structure holding, at each leaf, whether it is an array.
+        per_leaf = by_prefix(p, flags, "tg.jit: in_shardings")
+        leaves.extend(
+            s for s, flag in zip(per_leaf, jax.tree_util.tree_leaves(flags), strict=True) if flag
+        )
     return leaves
 
 

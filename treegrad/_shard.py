@@ -276,7 +276,7 @@ def _by_rules(
     return out
 
 
-def _by_prefix(spec: Any, tree: Any, api: str) -> list[Any]:
+def by_prefix(spec: Any, tree: Any, api: str) -> list[Any]:
     """One spec per leaf of `tree`, from a pytree prefix of specs."""
     s_leaves, s_def = jax.tree_util.tree_flatten(spec, is_leaf=_is_spec)
     bad = next((s for s in s_leaves if not _is_spec(s)), None)
@@ -382,7 +382,7 @@ def shard(tree: Any, spec: Any, *, mesh: Mesh | None = None) -> Any:
             "model: tg.setup(rule, tg.shard(model, ...))."
         )
     else:
-        per_leaf = _by_prefix(spec, tree, api)
+        per_leaf = by_prefix(spec, tree, api)
     shardings = [_sharding(s, m, api) for s in per_leaf]
     if any(shared):
         mesh_here = m or next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
@@ -451,7 +451,7 @@ def shard_batch(local_batch: Any, mesh: Mesh, spec: Any = DATA) -> Any:
             "tg.shard_batch(local_batch, mesh, spec=P('data'))."
         )
     flat, treedef = jax.tree_util.tree_flatten_with_path(local_batch)
-    per_leaf = _by_prefix(spec, local_batch, api)
+    per_leaf = by_prefix(spec, local_batch, api)
     out = []
     for (path, x), s in zip(flat, per_leaf, strict=True):
         if s is None or not isinstance(x, (jax.Array, np.ndarray)):
