@@ -329,3 +329,9 @@ def test_module_level_state_is_written_back():
     for _ in range(5):
         step()
     assert loss_fn(ns.model, X, Y) < before
+
+
+def test_jit_in_shardings_of_the_wrong_type():
+    f = tg.jit(lambda m, x: m["w"] * x, in_shardings=("fast", None))
+    with pytest.raises(TypeError, match=r"tg\.jit: in_shardings: spec holds a str.*Sharding"):
+        f({"w": jnp.ones(2)}, jnp.ones(2))
