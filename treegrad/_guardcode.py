@@ -89,6 +89,12 @@ class Guard:
     def _fail_unless(self, depth: int, cond: str) -> None:
         self._emit(depth, f"if not ({cond}): return None")
 
+    def _read(self, d: int, expr: str, child: Node) -> None:
+        """Read `expr` into a new variable and check it as `child`."""
+        w = self._v()
+        self._emit(d, f"{w} = {expr}")
+        self._gen(child, w, d)
+
     def _gen(self, node: Node, v: str | None, d: int) -> None:
         if v is not None:
             self.names[id(node)] = v
@@ -109,25 +115,21 @@ class Guard:
                 d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
             )
             for i, child in enumerate(node.items):
-                w = self._v()
-                self._emit(d, f"{w} = {v}[{i}]")
-                self._gen(child, w, d)
+                self._read(d, f"{v}[{i}]", child)
         elif isinstance(node, Map):
             self._fail_unless(
                 d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
             )
             for key, child in node.items:
-                w = self._v()
-                self._emit(d, f"{w} = {v}.get({self._k(key)}, MISSING)")
-                self._gen(child, w, d)
+                self._read(d, f"{v}.get({self._k(key)}, MISSING)", child)
         elif isinstance(node, Func):
-            self._func(node, v, d)  # type: ignore[arg-type]  # roots and children have a name
+            if v is None:  # pragma: no cover - only absolute roots are read from no variable
+                raise AssertionError("a function node without a variable")
+            self._func(node, v, d)
         elif isinstance(node, Method):
             self._fail_unless(d, f"type({v}) is MethodType")
             for attr, child in (("__self__", node.self_), ("__func__", node.func)):
-                w = self._v()
-                self._emit(d, f"{w} = {v}.{attr}")
-                self._gen(child, w, d)
+                self._read(d, f"{v}.{attr}", child)
         elif isinstance(node, Partial):
             self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
             for attr, child in (
@@ -135,19 +137,13 @@ class Guard:
                 ("args", node.args),
                 ("keywords", node.keywords),
             ):
-                w = self._v()
-                self._emit(d, f"{w} = {v}.{attr}")
-                self._gen(child, w, d)
+                self._read(d, f"{v}.{attr}", child)
         elif isinstance(node, Jitted):
             self._fail_unless(d, f"type({v}) is {self._k(_JITTED_TYPE)}")
-            w = self._v()
-            self._emit(d, f"{w} = getattr({v}, '__wrapped__', MISSING)")
-            self._gen(node.inner, w, d)
+            self._read(d, f"getattr({v}, '__wrapped__', MISSING)", node.inner)
         elif isinstance(node, Descr):
             self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
-            w = self._v()
-            self._emit(d, f"{w} = {v}.{node.attr}")
-            self._gen(node.inner, w, d)
+            self._read(d, f"{v}.{node.attr}", node.inner)
         elif isinstance(node, Obj):
             self._fail_unless(d, f"type({v}) is {self._k(node.type.ref)}()")
             if node.attrs:
@@ -155,13 +151,9 @@ class Guard:
                 self._emit(d, f"{dv} = {v}.__dict__")
                 self._fail_unless(d, f"len({dv}) == {len(node.attrs)}")
                 for name, child in node.attrs:
-                    w = self._v()
-                    self._emit(d, f"{w} = {dv}.get({name!r}, MISSING)")
-                    self._gen(child, w, d)
+                    self._read(d, f"{dv}.get({name!r}, MISSING)", child)
             for name, child in node.slots:
-                w = self._v()
-                self._emit(d, f"{w} = getattr({v}, {name!r}, MISSING)")
-                self._gen(child, w, d)
+                self._read(d, f"getattr({v}, {name!r}, MISSING)", child)
         elif isinstance(node, Tree):
             leaves, td = self._v(), self._v()
             self._emit(d, f"{leaves}, {td} = flatten({v})")
@@ -173,16 +165,12 @@ class Guard:
                 self._emit(d, f"out.extend({leaves})")
             else:
                 for i, leaf in enumerate(node.leaves):
-                    w = self._v()
-                    self._emit(d, f"{w} = {leaves}[{i}]")
-                    self._gen(leaf, w, d)
+                    self._read(d, f"{leaves}[{i}]", leaf)
         elif isinstance(node, ParamsNode):
             from ._params import Params
 
             self._fail_unless(d, f"type({v}) is {self._k(Params)}")
-            w = self._v()
-            self._emit(d, f"{w} = {v}._sources")
-            self._gen(node.source, w, d)
+            self._read(d, f"{v}._sources", node.source)
         elif isinstance(node, Fixed):
             obj = self._v()
             self._emit(d, f"{obj} = {self._k(node.obj.ref)}()")
@@ -195,9 +183,7 @@ class Guard:
             dv = self._v()
             self._emit(d, f"{dv} = vars({obj})")
             for name, child in node.attrs:
-                w = self._v()
-                self._emit(d, f"{w} = {dv}.get({name!r}, MISSING)")
-                self._gen(child, w, d)
+                self._read(d, f"{dv}.get({name!r}, MISSING)", child)
         else:  # pragma: no cover - every node type is handled above
             raise AssertionError(type(node))
 
@@ -237,9 +223,7 @@ class Guard:
                 if child is None:
                     self._fail_unless(d, f"{name!r} not in {g}")
                     continue
-                w = self._v()
-                self._emit(d, f"{w} = {g}.get({name!r}, MISSING)")
-                self._gen(child, w, d)
+                self._read(d, f"{g}.get({name!r}, MISSING)", child)
         for attr, child in (("__defaults__", node.defaults), ("__kwdefaults__", node.kwdefaults)):
             w = self._v()
             self._emit(d, f"{w} = {v}.{attr}")
