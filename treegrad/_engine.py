@@ -36,8 +36,9 @@ import jax
 
 from . import _guard as G
 from . import _jaxpr
+from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
-from ._outputs import DYN, Written, expand, uniq
+from ._outputs import DYN, Packed, Written, _Aux, expand, split_output, uniq
 from ._paths import _SETTERS
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
@@ -102,8 +103,11 @@ class Call:
             except TypeError:  # unhashable static leaves are keyed by identity
                 self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
         self.a_uniq, self.a_slots = uniq(arrays)
-        keys = tuple(map(root_key, roots)) if len(roots) > 1 else root_key(roots[0])
-        self.key = (program, options, keys, self.a_def, self.a_statics, self.a_slots)
+        self.key = (program, options, root_keys(roots), self.a_def, self.a_statics, self.a_slots)
+
+
+def root_keys(roots: tuple[Any, ...]) -> Any:
+    return tuple(map(root_key, roots)) if len(roots) > 1 else root_key(roots[0])
 
 
 def _hashable(x: Any) -> bool:
@@ -171,6 +175,11 @@ class Entry:
         self.jitted: Any = None
         # While tracing: the mesh sharding of each input (None: not on a mesh).
         self.placement: tuple[Any, ...] | None = None
+        # Gradients and call outputs leave the program as flat lists while every
+        # trace gives them one structure, recorded here (see `_flat_out`).
+        self.flat = program in (GRAD, CALL)
+        self.out_sig: tuple[_Aux, tuple[int, ...], tuple[int, ...]] | None = None
+        self._grad_shape: Shape | None = None
 
     def bind(self, cl: list[Any], a_uniq: list[Any], params: Sequence[Any] | None) -> list[Any]:
         """Fix what depends on the first call's inputs: ties, parameters, what to differentiate."""
@@ -197,6 +206,7 @@ class Entry:
         self._jit_kwargs = kwargs
         self._given = kwargs.get("in_shardings")  # tg.jit's in_shardings: the inputs' layout
         self._placed: dict[tuple[Any, ...], Any] = {}
+        self._grad_shape = None
         self.jitted = self._make(None)
 
     def _make(self, placed: tuple[Any, ...] | None) -> Any:
@@ -204,9 +214,38 @@ class Entry:
 
         def program(*dyn: Any) -> Any:
             n = len(dyn) - n_extra
-            return trace(self, list(dyn[:n]), dyn[n:], placed)
+            return self._flat_out(trace(self, list(dyn[:n]), dyn[n:], placed))
 
         return jax.jit(program, **self._jit_kwargs)
+
+    def _flat_out(self, result: Any) -> Any:
+        """A gradient or call program's outputs as flat lists of arrays.
+
+        JAX would rebuild a structured output with a Python callback per Module;
+        flat lists it returns at C speed, and `run` rebuilds the tree with
+        generated code. The structure is recorded here, while tracing, so it must
+        be the same for every trace of the entry (new input shapes trace again):
+        when one differs, the outputs carry their structure from then on.
+        """
+        if not self.flat:
+            return result
+        if self.program == GRAD:
+            grads, packed, written = result
+        else:
+            _, packed, grads, written = result
+        if packed.aux is None:
+            arrays, aux = split_output(packed.payload)
+        else:
+            arrays, aux = packed.payload, packed.aux
+        sig = (aux, written.places, written.index)
+        if self.out_sig is None:
+            self.out_sig = sig
+        elif not (self.out_sig[0] == aux and self.out_sig[1:] == sig[1:]):
+            self.flat = False
+            self._placed.clear()
+            self.jitted = self._make(None)
+            return result
+        return [grads, arrays, written.values]
 
     def compiled(self, dyn: Sequence[Any]) -> Any:
         """The program for these inputs' placement on a mesh (see `_shard`)."""
@@ -315,14 +354,38 @@ class Entry:
         if self.demoted:
             self.demoted = False
             self.guard = Guard(self.nodes, self.absolute)
-        if self.program == GRAD:
+        if type(out) is list:  # flat (see `_flat_out`)
+            grads, arrays, values = out
+            aux, places, index = self.out_sig  # type: ignore[misc]  # set by the trace
+            deps: list[Any] | None = None if self.program == GRAD else []
+            packed = Packed(arrays, aux)
+            written = Written(places, index, values)
+        elif self.program == GRAD:
             grads, packed, written = out
             deps = None
         else:
             deps, packed, grads, written = out
+        if self.program == GRAD and not self.implicit:
+            grads = self._grad_tree(grads)
         if written.places:
             self._write_back(roots, written)
         return deps, packed, grads
+
+    def _grad_tree(self, grads: list[Any]) -> Any:
+        """The explicit gradients (in `grad_order`) in the arguments' structure: None at
+        static leaves, inputs not differentiated and a tied array's later places."""
+        shape = self._grad_shape
+        if shape is None:
+            spec: list[Any] = []
+            first: set[int] = set()
+            slots = iter(range(self.n_args) if self.a_slots is None else self.a_slots)
+            for dyn in self.is_array_leaf():
+                u = next(slots) if dyn else -1
+                take = dyn and u not in first and self.n_cl + u in self.active
+                spec.append(TAKE if take else None)
+                first.add(u)
+            shape = self._grad_shape = Shape(self.a_def, spec=spec)
+        return shape.unflatten(grads)
 
     def _write_back(self, roots: tuple[Any, ...], written: Written) -> None:
         writer = self._writers.get(written.places)
@@ -428,6 +491,9 @@ MAX_ENTRIES = 128
 _CACHE: dict[Any, list[Entry]] = {}
 _LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
 _WARNED: set[Any] = set()
+# Per function (and program, options): the last arguments' structure and its bucket.
+_RECENT: dict[Any, tuple[Shape, tuple[int, ...] | None, list[Entry]]] = {}
+_SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
 MEMOS: list[Any] = [_SETTERS, _SLOT_NAMES]
 
@@ -443,18 +509,26 @@ def execute(
     make: Callable[[Call], Entry] | None = None,
 ) -> tuple[Entry, Any]:
     """Run `roots[0]` under `program`; returns the entry and `(deps, packed, grads)`."""
+    recent_key = (program, options, root_keys(roots))
+    recent = _RECENT.get(recent_key)
+    if recent is not None:
+        # The arguments' structure seen last with this function, read by generated
+        # code: the same structure and ties give the same cache key.
+        shape, slots, last = recent
+        leaves = shape.flatten(args)
+        if leaves is not None:
+            a_uniq, a_slots = uniq(leaves)
+            if a_slots == slots:
+                hit = _lookup(last, roots, a_uniq, params)
+                if hit is not None:
+                    return hit
     call = Call(program, options, roots, args)
     bucket = _CACHE.get(call.key)
     if bucket is not None:
-        for entry in bucket:
-            cl = entry.guard.check(*roots)
-            if cl is None:
-                continue
-            cl_uniq = entry.matches(cl, params)
-            if cl_uniq is None:
-                continue
-            _LRU.move_to_end(id(entry))
-            return entry, entry.run(roots, cl_uniq + call.a_uniq)
+        hit = _lookup(bucket, roots, call.a_uniq, params)
+        if hit is not None:
+            _remember(recent_key, call, bucket)
+            return hit
     entry = make(call) if make is not None else Entry(program, api, options, call, params=params)
     cl = entry.guard.check(*roots)
     if cl is None:  # pragma: no cover - a guard must accept the values it was built from
@@ -462,21 +536,57 @@ def execute(
     dyn = entry.bind(cl, call.a_uniq, params)
     out = entry.first_run(roots, dyn, params)
     if entry.cacheable:
-        _store(call.key, entry)
+        _remember(recent_key, call, _store(call.key, entry))
     elif entry.hidden:
         _warn_hidden(entry, roots[0])
     return entry, out
 
 
-def _store(key: Any, entry: Entry) -> None:
-    _CACHE.setdefault(key, []).insert(0, entry)
+def _lookup(
+    bucket: list[Entry], roots: tuple[Any, ...], a_uniq: list[Any], params: Sequence[Any] | None
+) -> tuple[Entry, Any] | None:
+    """Run the first entry of `bucket` whose guard and ties accept this call."""
+    for entry in bucket:
+        cl = entry.guard.check(*roots)
+        if cl is None:
+            continue
+        cl_uniq = entry.matches(cl, params)
+        if cl_uniq is None:
+            continue
+        _LRU.move_to_end(id(entry))
+        return entry, entry.run(roots, cl_uniq + a_uniq)
+    return None
+
+
+def _store(key: Any, entry: Entry) -> list[Entry]:
+    bucket = _CACHE.setdefault(key, [])
+    bucket.insert(0, entry)
     _LRU[id(entry)] = (key, entry)
     while len(_LRU) > MAX_ENTRIES:
         _, (old_key, old) = _LRU.popitem(last=False)
-        bucket = _CACHE[old_key]
-        bucket.remove(old)
-        if not bucket:
+        old_bucket = _CACHE[old_key]
+        old_bucket.remove(old)
+        if not old_bucket:
             del _CACHE[old_key]
+    return bucket
+
+
+def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
+    """File the bucket a call hit under its function, with its arguments' structure as
+    generated code, for the next call's fast path (`execute`). Only for arguments whose
+    leaves are all arrays: other leaves key the cache by value."""
+    if call.a_statics is not None:
+        return
+    shape = _SHAPES.get(call.a_def)
+    if shape is None:
+        if len(_SHAPES) >= 4 * MAX_ENTRIES:
+            _SHAPES.clear()
+        shape = _SHAPES[call.a_def] = Shape(call.a_def, call.a_uniq)
+    if len(_RECENT) >= 4 * MAX_ENTRIES:
+        _RECENT.clear()
+    # An emptied bucket is dropped from the cache; the one held here then stays
+    # empty, so the fast path misses and the slow path files the new one.
+    _RECENT[recent_key] = (shape, call.a_slots, bucket)
 
 
 def _warn_hidden(entry: Entry, f: Any) -> None:
@@ -508,6 +618,8 @@ def clear_cache() -> None:
     _CACHE.clear()
     _LRU.clear()
     _WARNED.clear()
+    _RECENT.clear()
+    _SHAPES.clear()
     G.clear()
     for memo in MEMOS:
         memo.clear()

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from ._fasttree import Shape
 from ._guard import (
     _ARRAY_TYPES,
     _JITTED_TYPE,
@@ -156,14 +157,22 @@ class Guard:
                 self._read(d, f"getattr({v}, {name!r}, MISSING)", child)
         elif isinstance(node, Tree):
             leaves, td = self._v(), self._v()
-            self._emit(d, f"{leaves}, {td} = flatten({v})")
-            self._fail_unless(d, f"{td} == {self._k(node.treedef)}")
             if all(isinstance(leaf, Array) for leaf in node.leaves):
+                # A model: read by generated code while its structure holds (Shape),
+                # else by JAX, checked against the structure seen.
+                shape = Shape(node.treedef)
+                self._emit(d, f"{leaves} = {self._k(shape.flatten)}({v})")
+                self._emit(d, f"if {leaves} is None:")
+                self._emit(d + 1, f"{leaves}, {td} = flatten({v})")
                 self._fail_unless(
-                    d, f"ARR.issuperset(map(type, {leaves})) or all(map(isarr, {leaves}))"
+                    d + 1,
+                    f"{td} == {self._k(node.treedef)} and (ARR.issuperset(map(type, {leaves})) "
+                    f"or all(map(isarr, {leaves})))",
                 )
                 self._emit(d, f"out.extend({leaves})")
             else:
+                self._emit(d, f"{leaves}, {td} = flatten({v})")
+                self._fail_unless(d, f"{td} == {self._k(node.treedef)}")
                 for i, leaf in enumerate(node.leaves):
                     self._read(d, f"{leaves}[{i}]", leaf)
         elif isinstance(node, ParamsNode):

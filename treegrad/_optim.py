@@ -138,7 +138,10 @@ def _from_tree(
     config: _Config, m_def: Any, m_leaves: list[Any], model: Any, grads: Any, api: str
 ) -> list[Any]:
     _check_not_wrapped(grads, model, api)
-    g_leaves = _gradient_leaves(m_def, model, grads, api)
+    shape = config._shape
+    g_leaves = shape.flatten(grads) if shape is not None else None
+    if g_leaves is None:
+        g_leaves = _gradient_leaves(m_def, model, grads, api)
     if not all(g is None or isinstance(g, _ARRAYS) for g in g_leaves):
         p, g = next(
             (p, g) for p, g in enumerate(g_leaves) if not (g is None or isinstance(g, _ARRAYS))
@@ -206,9 +209,13 @@ def _run(
     the new optax state leaves.
     """
     config = state._config
-    m_leaves, m_def = jax.tree_util.tree_flatten(model)
-    if m_def != config.treedef:
-        raise ValueError(_mismatch(api, "optimiser state", model, config.layout))
+    m_def = config.treedef
+    m_leaves = config._shape.flatten(model) if config._shape is not None else None
+    if m_leaves is None:  # not the structure seen last (or not all arrays): JAX's path
+        m_leaves, m_def = jax.tree_util.tree_flatten(model)
+        if m_def != config.treedef:
+            raise ValueError(_mismatch(api, "optimiser state", model, config.layout))
+        config.shape(m_leaves)
     if in_place:
         _check_rebindable(config, model, api)
     params = [m_leaves[p] for p in config.first]
@@ -281,7 +288,7 @@ def update(
     new_leaves = [
         leaf if s < 0 else new_params[s] for s, leaf in zip(config.slots, m_leaves, strict=True)
     ]
-    return new_state, config.treedef.unflatten(new_leaves)
+    return new_state, config.shape(m_leaves).unflatten(new_leaves)
 
 
 def update_(state: OptState, model: Any, grads: Any) -> None:
@@ -316,10 +323,10 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
             "tg.update_ cannot update a standalone array in place; hold it in a list, dict or "
             "Module, or use the pure tg.update."
         )
-    _, params, new_params, leaves = _run(state, src, grads, api, in_place=True)
+    m_leaves, params, new_params, leaves = _run(state, src, grads, api, in_place=True)
     changed = {id(old): new for old, new in zip(params, new_params, strict=True) if old is not new}
     if changed:
-        rebind(src, changed)
+        rebind(src, changed, (m_leaves, state._config.treedef))
     state._install(state._config, leaves)
 
 

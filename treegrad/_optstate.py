@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._fasttree import Shape
 from ._module import Module, register_child_type
 from ._params import trainable_leaves_with_path
 from ._shard import place_state
@@ -85,6 +86,7 @@ class _Config:
         "_names",
         "_paths",
         "_pinned",
+        "_shape",
         "avals",
         "first",
         "frozen",
@@ -141,8 +143,10 @@ class _Config:
         self._layout: Any = None
         self._paths: list[str] | None = None
         self._pinned: list[int] | None = None
+        self._shape: Shape | None = None
         if like is not None and like.treedef is treedef:
             self._layout, self._paths, self._pinned = like._layout, like._paths, like._pinned
+            self._shape = like._shape
         self._names: list[str] | None = None
         self._masks: dict[tuple[int, ...], list[Any]] = {}
 
@@ -169,6 +173,12 @@ class _Config:
             and self.parts == other.parts
             and self.treedef == other.treedef
         )
+
+    def shape(self, leaves: list[Any]) -> Shape:
+        """The model's structure as generated code (built on first use, from its leaves)."""
+        if self._shape is None:
+            self._shape = Shape(self.treedef, leaves)
+        return self._shape
 
     # --- derived lazily: only views, errors and checkpoints need these --------------
     @property

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from ._fasttree import register_tuple_node
 from ._optstate import _Config, _Pos, graft, param_state
 from ._paths import register_in_place
 
@@ -253,5 +254,6 @@ def _unflatten(config: _Config, leaves: Any) -> OptState:
 jax.tree_util.register_pytree_with_keys(
     OptState, _flatten_with_keys, _unflatten, flatten_func=_flatten
 )
+register_tuple_node(OptState, "_config", "_leaves", _unflatten)
 # In place, for tg.update_ and for compiled implicit steps writing the new state back.
 register_in_place(OptState, lambda state, leaves: state._install(state._config, leaves))

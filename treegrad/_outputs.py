@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._fasttree import TAKE, Shape
 from ._tree import unique_by_id
 
 
@@ -41,17 +42,19 @@ def expand(values: Sequence[Any], slots: tuple[int, ...] | None) -> list[Any]:
 class _Aux:
     """Non-array parts of an output, carried through `jax.jit` as static data."""
 
-    __slots__ = ("statics", "treedef")
+    __slots__ = ("_shape", "statics", "treedef")
 
     def __init__(self, treedef: Any, statics: tuple[Any, ...]):
         self.treedef = treedef
         self.statics = statics
+        self._shape: Shape | None = None
 
     def rebuild(self, arrays: Sequence[Any]) -> Any:
-        it = iter(arrays)
-        return jax.tree_util.tree_unflatten(
-            self.treedef, [next(it) if s is DYN else s for s in self.statics]
-        )
+        # Generated code (built on first use): what tree_unflatten gives, with the
+        # static leaves in place, without a Python callback per Module.
+        if self._shape is None:
+            self._shape = Shape(self.treedef, spec=[TAKE if s is DYN else s for s in self.statics])
+        return self._shape.unflatten(arrays)
 
     def __eq__(self, other: object) -> bool:
         return (

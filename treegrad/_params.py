@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._fasttree import Shape
 from ._module import Module
 from ._paths import set_at
 from ._tree import describe_leaf, is_differentiable, path_str, unique_by_id
@@ -114,7 +115,7 @@ class Params:
     def __init__(self, xs: Model = ()):
         self._sources: list[Any] = []
         self._removed: set[int] = set()
-        self._cache: dict[int, tuple[Any, list[int], list[tuple[Any, ...]]]] = {}
+        self._cache: dict[int, tuple[Any, list[int], list[tuple[Any, ...]], Shape]] = {}
         if isinstance(xs, Params):
             self._sources = list(xs._sources)
             self._removed = set(xs._removed)
@@ -169,11 +170,14 @@ class Params:
         source = self._sources[j]
         if isinstance(source, jax.Array):
             return [source], [()]
-        leaves, treedef = jax.tree_util.tree_flatten(source)
         cache = self._cache.get(j)
-        if cache is None or cache[0] != treedef:
-            cache = self._cache[j] = _scan(source, leaves, treedef)
-        _, index, paths = cache
+        # The structure seen last, read by generated code; else JAX's flatten.
+        leaves = cache[3].flatten(source) if cache is not None else None
+        if cache is None or leaves is None:
+            leaves, treedef = jax.tree_util.tree_flatten(source)
+            if cache is None or cache[0] != treedef:
+                cache = self._cache[j] = (*_scan(source, leaves, treedef), Shape(treedef, leaves))
+        _, index, paths, _ = cache
         arrays = [leaves[i] for i in index]
         if len({id(a) for a in arrays}) != len(arrays):
             # Ties can change without changing the structure (a user tying two

@@ -101,14 +101,15 @@ _SETTERS: dict[Any, Any] = {}
 _UNKNOWN = object()
 
 
-def rebind(root: Any, changed: dict[int, Any]) -> None:
+def rebind(root: Any, changed: dict[int, Any], flat: tuple[list[Any], Any] | None = None) -> None:
     """Replace, in place, every leaf of `root` whose id is in `changed` by its new value.
 
     One walk over Modules, lists and dicts (using each Module's cached split
     into children), rebuilding tuples on the way back up; about the cost of one
-    flatten. Foreign pytrees fall back to rebinding by key path.
+    flatten. Foreign pytrees fall back to rebinding by key path. `flat`: the
+    leaves and treedef of `root` when the caller has them.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(root)
+    leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten(root)
     setter = _SETTERS.get(treedef, _UNKNOWN)
     if setter is _UNKNOWN:
         from ._guardcode import tree_setter

@@ -197,7 +197,7 @@ def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
     else:
         loss, (out, written) = loss_of()
         grads = []
-    return _grads_out(entry, active, grads), pack(out), Written.of(written)
+    return _flat_grads(entry, active, grads), pack(out), Written.of(written)
 
 
 def _grads_out(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any:
@@ -205,6 +205,15 @@ def _grads_out(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any
     if entry.implicit:
         return tuple(by_pos.get(i) for i in entry.wrt)
     return entry.arg_trees(by_pos)
+
+
+def _flat_grads(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any:
+    """A gradient program's gradients: per parameter (implicit), or in `grad_order`,
+    put into the arguments' structure after the call (`Entry._grad_tree`)."""
+    by_pos = dict(zip(active, grads, strict=True))
+    if entry.implicit:
+        return tuple(by_pos.get(i) for i in entry.wrt)
+    return [by_pos[i] for i in entry.grad_order()]
 
 
 def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
