@@ -55,6 +55,8 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
     assert cl is not None
     dyn = [*cl, *call.a_uniq]
     ct = P.cotangent()
+    shape, _, _ = E._RECENT[(P.GRAD, (True,), E.root_keys((loss,)))]
+    flat_grads, _, _ = entry.jitted(*dyn, ct)
     vg = jax.jit(jax.value_and_grad(_tg_loss))
 
     @jax.jit
@@ -67,8 +69,12 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
             lambda: tg.withgradient(lambda m: _tg_loss(m, x, y), m)
         ),
         "  its compiled program alone": _per_call(lambda: entry.jitted(*dyn, ct)),
-        "  flatten arguments, cache key": _per_call(lambda: E.Call(P.GRAD, (True,), (loss,), (m,))),
+        "  read arguments (generated code)": _per_call(lambda: E.uniq(shape.flatten((m,)) or [])),
+        "    (first call of a structure: flatten, key)": _per_call(
+            lambda: E.Call(P.GRAD, (True,), (loss,), (m,))
+        ),
         "  guard (re-read what it captures)": _per_call(lambda: entry.guard.check(loss)),
+        "  gradient tree from the flat outputs": _per_call(lambda: entry._grad_tree(flat_grads)),
         "  hand-written jax.jit(value_and_grad)": _per_call(lambda: vg(m, x, y)),
         "tg.update": _per_call(lambda: tg.update(st, m, g)),
         "  hand-written jax.jit(optax update)": _per_call(lambda: apply(m, ost, g)),

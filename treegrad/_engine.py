@@ -4,6 +4,9 @@ A call goes through four named steps:
 
 1. `Call`: the arguments are flattened once; array leaves are inputs, the
    treedef and the other leaves key the cache, with the function's code.
+   A function called again with arguments of the structure it had last skips
+   this: that structure is kept as generated code (`_fasttree.Shape`, filed
+   in `_RECENT` with the cache bucket), which checks it and reads the arrays.
 2. `lookup`: each cached entry for that key runs its guard (`_guard.Guard`) on
    the function being called. The guard re-reads every place the function can
    read a value from, checks the non-array values and returns the arrays.
@@ -16,6 +19,8 @@ A call goes through four named steps:
 4. `Entry.run` calls the compiled program with the arrays and writes back any
    array the function rebound in its captured containers (an in-place update
    inside a compiled step), so the user sees what an uncompiled run would leave.
+   Gradients and outputs come back as flat lists (jax rebuilds those in C) and
+   are put into their trees by generated code (`Entry._flat_out`).
 
 While tracing, the tracers are put into the user's own places (`_guard.Swap`)
 and taken out again afterwards, so the function runs on its real objects.
@@ -509,7 +514,9 @@ def execute(
     make: Callable[[Call], Entry] | None = None,
 ) -> tuple[Entry, Any]:
     """Run `roots[0]` under `program`; returns the entry and `(deps, packed, grads)`."""
-    recent_key = (program, options, root_keys(roots))
+    f = roots[0]
+    rk = f.__code__ if len(roots) == 1 and type(f) is types.FunctionType else root_keys(roots)
+    recent_key = (program, options, rk)
     recent = _RECENT.get(recent_key)
     if recent is not None:
         # The arguments' structure seen last with this function, read by generated

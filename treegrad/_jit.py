@@ -80,9 +80,33 @@ class Jitted:
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
         self._signature = _signature(fn)
+        self._plain = not (self._static or self._static_names)
+        self._options = ((), self._out_shardings is not UNSET)
         functools.update_wrapper(self, fn)
 
+    def _entry(self, call: E.Call) -> E.Entry:
+        """The cache entry for a call without static arguments."""
+        return self._new_entry(call, self._options, ())
+
+    def _new_entry(self, call: E.Call, options: Any, static: Sequence[Any]) -> E.Entry:
+        return E.Entry(
+            P.CALL,
+            "tg.jit",
+            options,
+            call,
+            donate=self._donated if (self._donate or self._donate_names) else None,
+            shardings=self._shardings if self._in_shardings is not UNSET else None,
+            out_shardings=None if self._out_shardings is UNSET else self._out_shardings,
+            statics=dict(static),
+        )
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._plain and not kwargs and not any(map(_is_function, args)):
+            # No static or callable argument (a training step): the arguments as given.
+            _, (_, packed, _) = E.execute(
+                P.CALL, "tg.jit", self._options, (self.__wrapped__,), (args, {}), make=self._entry
+            )
+            return packed.value()
         fn = self.__wrapped__
         static: list[Any] = []
         roots: list[Any] = [fn]
@@ -91,7 +115,7 @@ class Jitted:
             if i in self._static:
                 pos.append(P.RootArg(-1 - len(static)))
                 static.append((i, _hashed(a, f"argument {i}")))
-            elif isinstance(a, _FUNCTION_TYPES):
+            elif _is_function(a):
                 pos.append(P.RootArg(len(roots) - 1))
                 roots.append(a)
             else:
@@ -101,7 +125,7 @@ class Jitted:
             if k in self._static_names:
                 kw[k] = P.RootArg(-1 - len(static))
                 static.append((k, _hashed(a, f"argument {k!r}")))
-            elif isinstance(a, _FUNCTION_TYPES):
+            elif _is_function(a):
                 kw[k] = P.RootArg(len(roots) - 1)
                 roots.append(a)
             else:
@@ -109,16 +133,7 @@ class Jitted:
         options = (tuple(static), self._out_shardings is not UNSET)
 
         def make(call: E.Call) -> E.Entry:
-            return E.Entry(
-                P.CALL,
-                "tg.jit",
-                options,
-                call,
-                donate=self._donated if (self._donate or self._donate_names) else None,
-                shardings=self._shardings if self._in_shardings is not UNSET else None,
-                out_shardings=None if self._out_shardings is UNSET else self._out_shardings,
-                statics=dict(static),
-            )
+            return self._new_entry(call, options, static)
 
         _, (_, packed, _) = E.execute(
             P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
@@ -164,6 +179,19 @@ class Jitted:
 
     def __repr__(self) -> str:
         return f"<tg.jit of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+
+
+_IS_FUNCTION: dict[type, bool] = {}
+E.MEMOS.append(_IS_FUNCTION)
+
+
+def _is_function(a: Any) -> bool:
+    """Whether an argument is a function (guarded and traced through, not static data)."""
+    t = type(a)
+    r = _IS_FUNCTION.get(t)
+    if r is None:
+        r = _IS_FUNCTION[t] = issubclass(t, _FUNCTION_TYPES)
+    return r
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
