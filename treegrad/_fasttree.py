@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from ._codegen import CodeGen
 from ._guard import _ARRAY_TYPES, is_array
 from ._module import _AUX_SLOT, Module, _Static
 
@@ -78,8 +79,9 @@ class Shape:
         flat = gen.flatten_source(treedef)
         build = gen.unflatten_source(treedef, spec)
         self.source = flat + "\n" + build
-        exec(compile(self.source, "<treegrad shape>", "exec"), gen.ns)
-        self.flatten: Callable[[Any], list[Any] | None] = gen.ns["flatten"]
+        self.flatten: Callable[[Any], list[Any] | None] = gen._define(
+            self.source, "<treegrad shape>", "flatten"
+        )
         self.unflatten: Callable[[Sequence[Any]], Any] = gen.ns["unflatten"]
 
 
@@ -91,26 +93,16 @@ def _is_namedtuple(t: type) -> bool:
     return issubclass(t, tuple) and hasattr(t, "_fields")
 
 
-class _Gen:
+class _Gen(CodeGen):
     def __init__(self, leaf_types: Collection[type]):
-        self.ns: dict[str, Any] = {
-            "L": leaf_types,
-            "jflatten": jax.tree_util.tree_flatten,
-            "new": object.__new__,
-            "set_aux": _AUX_SLOT.__set__,
-        }
-        self.lines: list[str] = []
-        self.n = 0
-
-    def _k(self, value: Any) -> str:
-        """A name for a constant in the generated code's namespace."""
-        name = f"k{len(self.ns)}"
-        self.ns[name] = value
-        return name
-
-    def _v(self) -> str:
-        self.n += 1
-        return f"v{self.n}"
+        super().__init__(
+            {
+                "L": leaf_types,
+                "jflatten": jax.tree_util.tree_flatten,
+                "new": object.__new__,
+                "set_aux": _AUX_SLOT.__set__,
+            }
+        )
 
     def _fail_unless(self, cond: str) -> None:
         self.lines.append(f"    if not ({cond}): return None")

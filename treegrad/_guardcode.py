@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from ._codegen import CodeGen
 from ._fasttree import Shape
 from ._guard import (
     _ARRAY_TYPES,
@@ -43,7 +44,7 @@ from ._guard import (
 )
 
 
-class Guard:
+class Guard(CodeGen):
     """`guard(*roots)` returns the arrays at every place, in place order, or None.
 
     Generated once per cache entry from its node tree: one flat function with
@@ -52,17 +53,17 @@ class Guard:
     """
 
     def __init__(self, roots: list[Node], absolute: list[Node]):
-        self.ns: dict[str, Any] = {
-            "ARR": _ARRAY_TYPES,
-            "isarr": is_array,
-            "MISSING": MISSING,
-            "FunctionType": types.FunctionType,
-            "MethodType": types.MethodType,
-            "flatten": jax.tree_util.tree_flatten,
-        }
-        self.lines: list[str] = []
+        super().__init__(
+            {
+                "ARR": _ARRAY_TYPES,
+                "isarr": is_array,
+                "MISSING": MISSING,
+                "FunctionType": types.FunctionType,
+                "MethodType": types.MethodType,
+                "flatten": jax.tree_util.tree_flatten,
+            }
+        )
         self.names: dict[int, str] = {}
-        self.n = 0
         args = [f"r{i}" for i in range(len(roots))]
         for node, arg in zip(roots, args, strict=True):
             self._gen(node, arg, 1)
@@ -71,18 +72,8 @@ class Guard:
         body = "\n".join(self.lines) or "    pass"
         head = f"def guard({', '.join(args)}):\n    out = []\n    push = out.append\n"
         src = f"{head}{body}\n    return out\n"
-        exec(compile(src, "<treegrad guard>", "exec"), self.ns)
-        self.check: Callable[..., list[Any] | None] = self.ns["guard"]
+        self.check: Callable[..., list[Any] | None] = self._define(src, "<treegrad guard>", "guard")
         self.source = src
-
-    def _k(self, obj: Any) -> str:
-        name = f"K{len(self.ns)}"
-        self.ns[name] = obj
-        return name
-
-    def _v(self) -> str:
-        self.n += 1
-        return f"v{self.n}"
 
     def _emit(self, depth: int, line: str) -> None:
         self.lines.append("    " * depth + line)
@@ -242,7 +233,7 @@ class Guard:
                 self._gen(child, w, d)
 
 
-class WriteBack:
+class WriteBack(CodeGen):
     """`write(*roots, values)` puts new arrays into the given places, in place.
 
     Generated, like the guard, for one set of written places: after each call
@@ -260,9 +251,7 @@ class WriteBack:
         from ._paths import IN_PLACE
 
         self.places = places  # place -> index into the values passed
-        self.ns: dict[str, Any] = {"IN_PLACE": IN_PLACE, "flatten": jax.tree_util.tree_flatten}
-        self.lines: list[str] = []
-        self.n = 0
+        super().__init__({"IN_PLACE": IN_PLACE, "flatten": jax.tree_util.tree_flatten})
         self.ok = True
         self.names: dict[int, str] = {}
         args = [f"r{i}" for i in range(len(roots))]
@@ -274,17 +263,7 @@ class WriteBack:
                 self._node(node, None, obj)
         body = "\n".join(self.lines) or "    pass"
         src = f"def write({', '.join([*args, 'vals'])}):\n{body}\n"
-        exec(compile(src, "<treegrad write-back>", "exec"), self.ns)
-        self.write: Callable[..., None] = self.ns["write"]
-
-    def _k(self, obj: Any) -> str:
-        name = f"K{len(self.ns)}"
-        self.ns[name] = obj
-        return name
-
-    def _v(self) -> str:
-        self.n += 1
-        return f"v{self.n}"
+        self.write: Callable[..., None] = self._define(src, "<treegrad write-back>", "write")
 
     def _emit(self, line: str) -> None:
         self.lines.append("    " + line)
@@ -489,7 +468,4 @@ def tree_setter(root: Any) -> Callable[[Any, list[Any]], None] | None:
             return None
         lines.append(f"    if vals[{i}] is not None:\n        {assign}")
     src = "def set(root, vals):\n" + ("\n".join(lines) or "    pass") + "\n"
-    ns: dict[str, Any] = {}
-    exec(compile(src, "<treegrad rebind>", "exec"), ns)
-    setter: Callable[[Any, list[Any]], None] = ns["set"]
-    return setter
+    return CodeGen({})._define(src, "<treegrad rebind>", "set")
