@@ -70,7 +70,7 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
         ),
         "  its compiled program alone": _per_call(lambda: entry.jitted(*dyn, ct)),
         "  read arguments (generated code)": _per_call(lambda: E.uniq(shape.flatten((m,)) or [])),
-        "    (first call of a structure: flatten, key)": _per_call(
+        "    (a new structure: flatten, key)": _per_call(
             lambda: E.Call(P.GRAD, (True,), (loss,), (m,))
         ),
         "  guard (re-read what it captures)": _per_call(lambda: entry.guard.check(loss)),

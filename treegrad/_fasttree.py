@@ -3,7 +3,7 @@
 JAX flattens a `tg.Module` by calling back into Python once per Module, and
 unflattens it the same way: on a deep model that is most of treegrad's cost
 per step (a 17-layer MLP: 5.2 us to flatten, 8.9 us to unflatten, against
-1.6 us and 3.9 us for the code below; see docs/benchmarks.md). A `Shape` is
+1.8 us and 3.9 us for the code below; see docs/benchmarks.md). A `Shape` is
 generated once per structure, as the engine's guards are: `flatten` checks
 that a tree has exactly that structure (each Module by the identity of its
 cached split into children, `_tg_aux`) and returns its leaves, or None when
