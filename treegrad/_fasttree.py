@@ -67,7 +67,7 @@ class Shape:
         True
     """
 
-    __slots__ = ("flatten", "source", "treedef", "unflatten")
+    __slots__ = ("flatten", "spec", "treedef", "unflatten")
 
     def __init__(
         self, treedef: Any, leaves: Sequence[Any] | None = None, spec: Sequence[Any] | None = None
@@ -75,14 +75,22 @@ class Shape:
         for leaf in leaves or ():
             is_array(leaf)  # learns the leaf's type
         self.treedef = treedef
+        self.spec = spec
+        # Each half is generated on first use: most users need one (a model of
+        # 2,000 arrays takes about 25 ms a half).
+        self.flatten: Callable[[Any], list[Any] | None] = self._first_flatten
+        self.unflatten: Callable[[Sequence[Any]], Any] = self._first_unflatten
+
+    def _first_flatten(self, tree: Any) -> list[Any] | None:
         gen = _Gen(_ARRAY_TYPES)
-        flat = gen.flatten_source(treedef)
-        build = gen.unflatten_source(treedef, spec)
-        self.source = flat + "\n" + build
-        self.flatten: Callable[[Any], list[Any] | None] = gen._define(
-            self.source, "<treegrad shape>", "flatten"
-        )
-        self.unflatten: Callable[[Sequence[Any]], Any] = gen.ns["unflatten"]
+        self.flatten = gen._define(gen.flatten_source(self.treedef), "<treegrad shape>", "flatten")
+        return self.flatten(tree)
+
+    def _first_unflatten(self, values: Sequence[Any]) -> Any:
+        gen = _Gen(_ARRAY_TYPES)
+        src = gen.unflatten_source(self.treedef, self.spec)
+        self.unflatten = gen._define(src, "<treegrad shape>", "unflatten")
+        return self.unflatten(values)
 
 
 def _tuple(items: list[str]) -> str:
