@@ -318,3 +318,48 @@ def test_params_see_a_layer_appended_after_the_fast_path_was_built():
     assert len(ps) == 4
     m.layers[0].weight = jnp.zeros((2, 2))
     assert any(p is m.layers[0].weight for p in ps)
+
+
+def test_steady_state_generates_no_code():
+    """Every training loop, once warm, runs generated code without generating more
+    (a guard that compiled its Shape on every call made the implicit loop 8x slower)."""
+    from treegrad._codegen import CodeGen
+
+    opt = optax.adam(1e-3)
+    x, y = jnp.ones((4, 2)), jnp.ones((4, 1))
+
+    def net(seed):
+        k1, k2 = jax.random.split(jax.random.key(seed))
+        return nn.Chain(nn.Dense(2, 3, jax.nn.relu, key=k1), nn.Dense(3, 1, key=k2))
+
+    def loss(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    explicit, imp, imp_jit, jit_model = net(0), net(1), net(2), net(3)
+    s = {"m": explicit, "st": tg.setup(opt, explicit), "jm": jit_model}
+    s["jst"] = tg.setup(opt, jit_model)
+    ps, ps_jit = tg.params(imp), tg.params(imp_jit)
+    st_imp, st_imp_jit = tg.setup(opt, ps), tg.setup(opt, ps_jit)
+
+    @tg.jit
+    def step(state, m, x, y):
+        _, (g,) = tg.withgradient(lambda m: loss(m, x, y), m)
+        return tg.update(state, m, g)
+
+    @tg.jit
+    def implicit_step(x, y):
+        tg.update_(st_imp_jit, ps_jit, tg.gradient(lambda: loss(imp_jit, x, y), ps_jit))
+
+    def loops():
+        (g,) = tg.gradient(lambda m: loss(m, x, y), s["m"])
+        s["st"], s["m"] = tg.update(s["st"], s["m"], g)
+        tg.update_(st_imp, ps, tg.gradient(lambda: loss(imp, x, y), ps))
+        s["jst"], s["jm"] = step(s["jst"], s["jm"], x, y)
+        implicit_step(x, y)
+
+    for _ in range(3):
+        loops()
+    before = CodeGen.compiled
+    for _ in range(5):
+        loops()
+    assert CodeGen.compiled == before

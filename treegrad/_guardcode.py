@@ -151,8 +151,8 @@ class Guard(CodeGen):
             if all(isinstance(leaf, Array) for leaf in node.leaves):
                 # A model: read by generated code while its structure holds (Shape),
                 # else by JAX, checked against the structure seen.
-                shape = Shape(node.treedef)
-                self._emit(d, f"{leaves} = {self._k(shape.flatten)}({v})")
+                # (`.flatten` looked up each call: it is generated on first use.)
+                self._emit(d, f"{leaves} = {self._k(Shape(node.treedef))}.flatten({v})")
                 self._emit(d, f"if {leaves} is None:")
                 self._emit(d + 1, f"{leaves}, {td} = flatten({v})")
                 self._fail_unless(
