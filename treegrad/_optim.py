@@ -139,23 +139,23 @@ def _from_tree(
 ) -> list[Any]:
     _check_not_wrapped(grads, model, api)
     shape = config._shape
-    g_leaves = shape.flatten(grads) if shape is not None else None
+    g_leaves = shape.flatten(grads) if shape is not None else None  # all arrays, if not None
     if g_leaves is None:
         g_leaves = _gradient_leaves(m_def, model, grads, api)
-    if not all(g is None or isinstance(g, _ARRAYS) for g in g_leaves):
-        p, g = next(
-            (p, g) for p, g in enumerate(g_leaves) if not (g is None or isinstance(g, _ARRAYS))
-        )
-        expected = (
-            f"a {describe_leaf(m_leaves[p])} array or None"
-            if config.slots[p] >= 0
-            else "None (the optimiser does not train this leaf)"
-        )
-        raise TypeError(
-            f"{api}: the gradient at '{config.paths[p]}' is a {type(g).__name__} "
-            f"({g!r:.40}); expected {expected}. Pass the gradient tree that tg.gradient gives."
-        )
-    return [g_leaves[p] for p in config.tpos]
+        if not all(g is None or isinstance(g, _ARRAYS) for g in g_leaves):
+            p, g = next(
+                (p, g) for p, g in enumerate(g_leaves) if not (g is None or isinstance(g, _ARRAYS))
+            )
+            expected = (
+                f"a {describe_leaf(m_leaves[p])} array or None"
+                if config.slots[p] >= 0
+                else "None (the optimiser does not train this leaf)"
+            )
+            raise TypeError(
+                f"{api}: the gradient at '{config.paths[p]}' is a {type(g).__name__} "
+                f"({g!r:.40}); expected {expected}. Pass the gradient tree that tg.gradient gives."
+            )
+    return config.pick_trainable(g_leaves)
 
 
 def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: list[Any], api: str):
@@ -169,17 +169,21 @@ def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: li
             "earlier tg.update_ or an assignment. Take the gradients again after each update "
             "(grads = tg.gradient(lambda: loss(...), ps)), then call update_."
         )
-    g_leaves = grads.leaves_for(m_leaves)
-    return [g_leaves[p] for p in config.tpos]
+    return config.pick_trainable(grads.leaves_for(m_leaves))
+
+
+def _has_none(xs: list[Any]) -> bool:
+    # Compares ids at C speed (`None in xs` would compare arrays with ==).
+    return id(None) in map(id, xs)
 
 
 def _inputs(
     config: _Config, grads: list[Any], params: list[Any], donate: bool
 ) -> tuple[tuple[Any, ...], Any]:
-    missing = tuple(k for k, g in enumerate(grads) if g is None)
     tracing = bool(params) and isinstance(params[0], jax.core.Tracer)
-    if not missing:
+    if not _has_none(grads):
         return tuple(grads), config.present((), tracing)
+    missing = tuple(k for k, g in enumerate(grads) if g is None)
     filled = list(grads)
     for k in missing:
         x = params[config.tslot[k]]
@@ -218,15 +222,15 @@ def _run(
         config.shape(m_leaves)
     if in_place:
         _check_rebindable(config, model, api)
-    params = [m_leaves[p] for p in config.first]
+    params = config.pick_first(m_leaves)
     if isinstance(grads, Grads):
         g = _from_mapping(config, grads, m_leaves, params, api)
     else:
         g = _from_tree(config, m_def, m_leaves, model, grads, api)
     g_in, present = _inputs(config, g, params, donate)
     run = step_donating if donate else step
-    updated = tuple(params[i] for i in config.updated)
-    kept = tuple(params[i] for i in config.kept)
+    updated = tuple(config.pick_updated(params))
+    kept = tuple(config.pick_kept(params))
     placed = placements((*state._leaves, *updated)) if several_devices() else None
     try:
         leaves, new_updated = run(config, placed, state._leaves, updated, kept, g_in, present)
@@ -235,7 +239,7 @@ def _run(
     new_params = list(params)
     for i, x in zip(config.updated, new_updated, strict=True):
         new_params[i] = x
-    if not donate and any(x is None for x in g):
+    if not donate and _has_none(g):
         # A parameter with no gradient at any place keeps its array object, not
         # only its value: Grads keyed on it stay valid, and update_ rebinds nothing.
         have = {i for i, x in zip(config.tslot, g, strict=True) if x is not None}

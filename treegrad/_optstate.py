@@ -36,7 +36,14 @@ from ._fasttree import Shape
 from ._module import Module, register_child_type
 from ._params import trainable_leaves_with_path
 from ._shard import place_state
-from ._tree import first_difference, functor, is_differentiable, path_str, unique_by_id
+from ._tree import (
+    first_difference,
+    functor,
+    is_differentiable,
+    path_str,
+    picker,
+    unique_by_id,
+)
 
 
 class _Part(NamedTuple):
@@ -95,6 +102,10 @@ class _Config:
         "offsets",
         "owner",
         "parts",
+        "pick_first",
+        "pick_kept",
+        "pick_trainable",
+        "pick_updated",
         "runs",
         "slots",
         "tied",
@@ -134,6 +145,11 @@ class _Config:
         self.first = tuple(first)
         self.updated = tuple(i for i in range(self.n) if i not in frozen)
         self.kept = tuple(i for i in range(self.n) if i in frozen)
+        # Run on every step: the same selections as list comprehensions, in C.
+        self.pick_trainable = picker(self.tpos)
+        self.pick_first = picker(self.first)
+        self.pick_updated = picker(self.updated)
+        self.pick_kept = picker(self.kept)
         self.runs = tuple(any(owner[i] == k for i in self.updated) for k in range(len(parts)))
         offsets = [0]
         for part in parts:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -173,3 +174,11 @@ def tree_map_shared(fn: Callable[[Any], Any], tree: Any) -> Any:
         return out
 
     return go(tree)
+
+
+def picker(index: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """`lambda xs: [xs[i] for i in index]`, with the loop in C (operator.itemgetter)."""
+    if len(index) < 2:
+        return lambda xs: [xs[i] for i in index]
+    get = operator.itemgetter(*index)
+    return lambda xs: list(get(xs))
