@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,7 +45,7 @@ from . import _jaxpr
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
 from ._outputs import DYN, Packed, Written, _Aux, expand, split_output, uniq
-from ._paths import _SETTERS
+from ._paths import _LAST, _SETTERS
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
@@ -276,8 +277,10 @@ class Entry:
             # recorded position is nowhere else: checking those is enough,
             # unless some parameter was not captured at all.
             pos = self.param_pos
-            moved = len(pos) != len(params) or any(
-                p < 0 or cl_uniq[p] is not a for p, a in zip(pos, params, strict=True)
+            moved = (
+                len(pos) != len(params)
+                or min(pos, default=0) < 0
+                or not all(map(operator.is_, map(cl_uniq.__getitem__, pos), params))
             )
             if moved and _positions(cl_uniq, params) != pos:
                 return None
@@ -500,7 +503,7 @@ _WARNED: set[Any] = set()
 _RECENT: dict[Any, tuple[Shape, tuple[int, ...] | None, list[Entry]]] = {}
 _SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
-MEMOS: list[Any] = [_SETTERS, _SLOT_NAMES]
+MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES]
 
 
 def execute(

@@ -122,7 +122,7 @@ class _Implicit:
         """One value per registered parameter: its result, or None where it has none."""
         entry = self.entry
         by_pos = dict(zip(entry.wrt, values, strict=True))
-        return [None if p < 0 else by_pos.get(p) for p in entry.param_pos]
+        return list(map(by_pos.get, entry.param_pos))  # None at -1: not captured
 
 
 def _label(path: Any) -> str:

@@ -12,6 +12,7 @@ update changes nothing.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -328,7 +329,11 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
             "Module, or use the pure tg.update."
         )
     m_leaves, params, new_params, leaves = _run(state, src, grads, api, in_place=True)
-    changed = {id(old): new for old, new in zip(params, new_params, strict=True) if old is not new}
+    if all(map(operator.is_not, params, new_params)):  # every parameter changed: in C
+        changed = dict(zip(map(id, params), new_params, strict=True))
+    else:
+        pairs = zip(params, new_params, strict=True)
+        changed = {id(old): new for old, new in pairs if old is not new}
     if changed:
         rebind(src, changed, (m_leaves, state._config.treedef))
     state._install(state._config, leaves)

@@ -362,7 +362,7 @@ class Grads(Mapping[Any, Any]):
 
     def _lookup(self) -> dict[int, int]:
         if self._index is None:
-            self._index = {id(p): i for i, p in enumerate(self._params)}
+            self._index = dict(zip(map(id, self._params), range(len(self._params)), strict=True))
         return self._index
 
     def __getitem__(self, p: Any) -> Any:

@@ -98,6 +98,7 @@ def register_in_place(cls: type, set_leaves: Callable[[Any, list[Any]], None]) -
 # the tree has a place that cannot be assigned in place, such as a tuple). Built
 # once per model structure, it makes tg.update_'s rebinding a few assignments.
 _SETTERS: dict[Any, Any] = {}
+_LAST: dict[str, Any] = {}  # the treedef rebound last (held, so `is` is safe), and its setter
 _UNKNOWN = object()
 
 
@@ -110,16 +111,21 @@ def rebind(root: Any, changed: dict[int, Any], flat: tuple[list[Any], Any] | Non
     leaves and treedef of `root` when the caller has them.
     """
     leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten(root)
-    setter = _SETTERS.get(treedef, _UNKNOWN)
-    if setter is _UNKNOWN:
-        from ._guardcode import tree_setter
+    # The last treedef by identity first: an optimiser passes the same one every
+    # step, and hashing a treedef calls back into Python once per Module.
+    if _LAST.get("treedef") is treedef:
+        setter = _LAST["setter"]
+    else:
+        setter = _SETTERS.get(treedef, _UNKNOWN)
+        if setter is _UNKNOWN:
+            from ._guardcode import tree_setter
 
-        setter = _SETTERS[treedef] = tree_setter(root)
+            setter = _SETTERS[treedef] = tree_setter(root)
+        _LAST.update(treedef=treedef, setter=setter)
     if setter is not None:
-        vals = [changed.get(id(leaf)) for leaf in leaves]
-        hit = {id(leaf) for leaf, v in zip(leaves, vals, strict=True) if v is not None}
-        if len(hit) == len(changed):
-            setter(root, vals)
+        ids = list(map(id, leaves))
+        if changed.keys() <= set(ids):  # every changed array found among the leaves
+            setter(root, list(map(changed.get, ids)))
             return
     found: set[int] = set()
     if _rebind_node(root, changed, found) is not root:
