@@ -451,21 +451,28 @@ def tree_setter(root: Any) -> Callable[[Any, list[Any]], None] | None:
     treedef, which fixes every container's type) share it. None when a leaf
     cannot be assigned in place (it sits in a tuple, or in a node without keys).
     """
+    gen = CodeGen({})
+    held: dict[str, str] = {}  # a container's path -> the variable that holds it
     lines = []
     for i, (key, _) in enumerate(jax.tree_util.tree_flatten_with_path(root)[0]):
         if not key:
             return None
-        expr, obj = "root", root
+        path, obj, var = "root", root, "root"
         for k in key[:-1]:
             step = _step(obj, k)
             if step is None or isinstance(obj, tuple):
                 return None
-            expr, obj = f"{expr}{step}", _get(obj, k)
+            path, obj = f"{path}{step}", _get(obj, k)
+            # Each container is read once (only leaves are rebound).
+            if path not in held:
+                held[path] = gen._v()
+                lines.append(f"    {held[path]} = {var}{step}")
+            var = held[path]
         if isinstance(obj, tuple):
             return None
-        assign = _set(obj, key[-1], expr, f"vals[{i}]")
+        assign = _set(obj, key[-1], var, f"vals[{i}]")
         if assign is None:
             return None
         lines.append(f"    if vals[{i}] is not None:\n        {assign}")
     src = "def set(root, vals):\n" + ("\n".join(lines) or "    pass") + "\n"
-    return CodeGen({})._define(src, "<treegrad rebind>", "set")
+    return gen._define(src, "<treegrad rebind>", "set")

@@ -160,6 +160,14 @@ def _from_tree(
 
 
 def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: list[Any], api: str):
+    if (
+        not config.tied
+        and len(grads._params) == len(params)
+        and all(map(operator.is_, grads._params, params))
+    ):
+        # Taken for exactly these parameters, in this order (a Params of this model):
+        # each trainable place's gradient is its parameter's.
+        return config.pick_by_param(grads._grads)
     held = set(map(id, params))
     if not all(map(held.__contains__, map(id, grads))):
         # Never a silent no-op: these gradients belong to arrays the model no longer holds.

@@ -102,6 +102,7 @@ class _Config:
         "offsets",
         "owner",
         "parts",
+        "pick_by_param",
         "pick_first",
         "pick_kept",
         "pick_trainable",
@@ -147,6 +148,7 @@ class _Config:
         self.kept = tuple(i for i in range(self.n) if i in frozen)
         # Run on every step: the same selections as list comprehensions, in C.
         self.pick_trainable = picker(self.tpos)
+        self.pick_by_param = picker(self.tslot)
         self.pick_first = picker(self.first)
         self.pick_updated = picker(self.updated)
         self.pick_kept = picker(self.kept)

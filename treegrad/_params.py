@@ -115,7 +115,7 @@ class Params:
     def __init__(self, xs: Model = ()):
         self._sources: list[Any] = []
         self._removed: set[int] = set()
-        self._cache: dict[int, tuple[Any, list[int], list[tuple[Any, ...]], Shape]] = {}
+        self._cache: dict[int, tuple[Any, list[int], list[tuple[Any, ...]], Shape, Any]] = {}
         if isinstance(xs, Params):
             self._sources = list(xs._sources)
             self._removed = set(xs._removed)
@@ -176,9 +176,16 @@ class Params:
         if cache is None or leaves is None:
             leaves, treedef = jax.tree_util.tree_flatten(source)
             if cache is None or cache[0] != treedef:
-                cache = self._cache[j] = (*_scan(source, leaves, treedef), Shape(treedef, leaves))
-        _, index, paths, _ = cache
-        arrays = [leaves[i] for i in index]
+                treedef, index, paths = _scan(source, leaves, treedef)
+                cache = self._cache[j] = (
+                    treedef,
+                    index,
+                    paths,
+                    Shape(treedef, leaves),
+                    picker(index),
+                )
+        _, index, paths, _, pick = cache
+        arrays = pick(leaves)
         if len(set(map(id, arrays))) != len(arrays):
             # Ties can change without changing the structure (a user tying two
             # weights by assignment); de-duplicate by identity, first wins.
