@@ -108,7 +108,8 @@ def rebind(root: Any, changed: dict[int, Any], flat: tuple[list[Any], Any] | Non
     One walk over Modules, lists and dicts (using each Module's cached split
     into children), rebuilding tuples on the way back up; about the cost of one
     flatten. Foreign pytrees fall back to rebinding by key path. `flat`: the
-    leaves and treedef of `root` when the caller has them.
+    leaves and treedef of `root` when the caller has them, and every key of
+    `changed` is the id of one of those leaves.
     """
     leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten(root)
     # The last treedef by identity first: an optimiser passes the same one every
@@ -124,7 +125,8 @@ def rebind(root: Any, changed: dict[int, Any], flat: tuple[list[Any], Any] | Non
         _LAST.update(treedef=treedef, setter=setter)
     if setter is not None:
         ids = list(map(id, leaves))
-        if changed.keys() <= set(ids):  # every changed array found among the leaves
+        # Every changed array is among the leaves (the caller's word, or checked).
+        if flat is not None or changed.keys() <= set(ids):
             setter(root, list(map(changed.get, ids)))
             return
     found: set[int] = set()
