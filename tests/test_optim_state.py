@@ -370,3 +370,25 @@ def test_untrained_leaves_are_none_in_the_tree_the_rule_sees():
     _, new = tg.update(state, model, g)
     assert new.bias is model.bias and new.steps is model.steps
     assert not np.allclose(new.weight, model.weight)
+
+
+def test_equal_configs_stay_equal_and_unequal_ones_unequal():
+    """Configs are compared by jax on every step (they key the compiled step); the
+    memo of configs found equal must not make unequal ones equal."""
+    import gc
+
+    opt = optax.adam(1e-3)
+
+    def model():
+        return {"a": jnp.ones(2), "b": jnp.zeros(3)}
+
+    a, b = tg.setup(opt, model())._config, tg.setup(opt, model())._config
+    assert a is not b
+    assert a == b and a == b and b == a  # the second time from the memo
+    other = tg.setup(opt, {"a": jnp.ones(2), "c": jnp.zeros(3)})._config
+    assert a != other
+    del b
+    gc.collect()
+    for _ in range(50):  # new objects, some perhaps at the freed address
+        c = tg.setup(opt, {"a": jnp.ones(2), "z": jnp.zeros(3)})._config
+        assert a != c

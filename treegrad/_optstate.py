@@ -24,6 +24,7 @@ state shapes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -87,6 +88,8 @@ class _Config:
     """
 
     __slots__ = (
+        "__weakref__",
+        "_equal",
         "_hash",
         "_layout",
         "_masks",
@@ -167,6 +170,9 @@ class _Config:
             self._shape = like._shape
         self._names: list[str] | None = None
         self._masks: dict[tuple[int, ...], list[Any]] = {}
+        # Configs found equal to this one (see __eq__), by id, each with a weak
+        # reference that says the id still names that object.
+        self._equal: dict[int, weakref.ref[_Config]] = {}
 
     def replaced(self, **change: Any) -> _Config:
         """A new config with some fields changed (the model-derived caches carried over)."""
@@ -179,18 +185,28 @@ class _Config:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
+        # The compiled step is keyed on its config: two equal configs (two models
+        # of one architecture) share it, and jax compares them on every call.
         if self is other:
             return True
-        return (
-            isinstance(other, _Config)
-            and self._hash == other._hash
-            and self.slots == other.slots
+        if not isinstance(other, _Config) or self._hash != other._hash:
+            return False
+        known = self._equal.get(id(other))
+        if known is not None and known() is other:  # compared before; configs never change
+            return True
+        equal = (
+            self.slots == other.slots
             and self.owner == other.owner
             and self.frozen == other.frozen
             and self.tied == other.tied
             and self.parts == other.parts
             and self.treedef == other.treedef
         )
+        if equal:
+            if len(self._equal) >= 16:
+                self._equal.clear()
+            self._equal[id(other)] = weakref.ref(other)
+        return equal
 
     def shape(self, leaves: list[Any]) -> Shape:
         """The model's structure as generated code (built on first use, from its leaves)."""
