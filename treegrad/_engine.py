@@ -364,7 +364,10 @@ class Entry:
             self.guard = Guard(self.nodes, self.absolute)
         if type(out) is list:  # flat (see `_flat_out`)
             grads, arrays, values = out
-            aux, places, index = self.out_sig  # type: ignore[misc]  # set by the trace
+            sig = self.out_sig
+            if sig is None:  # pragma: no cover - the trace that made these outputs set it
+                raise AssertionError("flat outputs without a recorded structure")
+            aux, places, index = sig
             deps: list[Any] | None = None if self.program == GRAD else []
             packed = Packed(arrays, aux)
             written = Written(places, index, values)
