@@ -118,7 +118,7 @@ def test_missing_anchor_notes_name_the_extra(monkeypatch):
     assert notes[2].endswith("to include it: pip install torch"), notes[2]
 
 
-def _fake_measure(sizes, batch, steps, repeats, anchors=True):
+def _fake_measure(sizes, batch, steps, repeats, anchors=True, seed=0):
     # Per-repetition seconds per step; each treegrad loop is a known multiple of its baseline.
     depth = len(sizes) - 1
     base = [1.0, 2.0, 4.0]
@@ -132,7 +132,7 @@ def _fake_measure(sizes, batch, steps, repeats, anchors=True):
         ],
         "tg implicit loop": [2 * b * (1 + depth / 10) for b in base],
     }
-    return times, [], {}
+    return _bench.Measured(times, times, [], {})
 
 
 def test_leaf_sweep_ratios_per_repetition_and_progress(monkeypatch, capsys):
@@ -171,3 +171,35 @@ def test_overhead_plot_has_title_reference_line_and_error_bars(monkeypatch, tmp_
     (segments,) = naive.lines[2]  # one LineCollection: the vertical min-max bar per point
     first_point = segments.get_segments()[0]
     assert tuple(first_point[:, 1]) == pytest.approx((1.0, 3.0))
+
+
+def test_measure_runs_every_system_once_per_repetition_in_changing_orders(monkeypatch):
+    ran: list[str] = []
+
+    def fake_systems(sizes, batch, anchors=True):
+        names = ["a", "b", "c", "d", "e"]
+        return {n: (lambda steps, n=n: ran.append(n)) for n in names}, ["note"], {"naive": [1]}
+
+    monkeypatch.setattr(_bench, "_systems", fake_systems)
+    times, cpu, notes, traces = _bench.measure([2, 1], 1, steps=4, repeats=6)
+    assert ran[:5] == list("abcde")  # the warm-up, in order
+    rounds = [ran[5 + 5 * i : 10 + 5 * i] for i in range(6)]
+    assert all(sorted(r) == list("abcde") for r in rounds)
+    # A fixed order would give each system the same predecessor every time.
+    assert len({tuple(r) for r in rounds}) > 1
+    assert all(len(times[n]) == len(cpu[n]) == 6 for n in "abcde")
+    assert all(t >= 0 for n in "abcde" for t in cpu[n])
+    assert (notes, traces) == (["note"], {"naive": [1]})
+
+
+def test_table_has_the_control_and_cpu_column():
+    systems, _, _ = _bench._systems([2, 3, 1], 4, anchors=False)
+    assert _bench.CONTROL in systems and _bench.TWO in systems
+    times = {name: [2.0, 2.0] for name in systems}
+    times["jax.jit fused (hand-written)"] = [1.0, 1.0]
+    cpu = {name: [4.0, 4.0] for name in systems}
+    cpu["tg implicit loop"] = [5.0, 5.0]
+    table = _bench.format_table("t", times, cpu)
+    assert "cpu vs two-call" in table.splitlines()[1]
+    implicit = next(line for line in table.splitlines() if line.startswith("tg implicit loop"))
+    assert implicit.split()[-3:] == ["2.00", "1.00", "1.25"]

@@ -1,9 +1,12 @@
 """`treegrad bench`: one Adam step of an MLP, side by side with hand-written JAX.
 
 Every system trains the same MLP on the same batch in one process. Repetitions
-are interleaved (system A, B, C, then again), each timing `steps` steps to
-completion; the table reports the median per-step time, its spread (min-max
-over repetitions) and the ratio of medians to the hand-written fused step.
+are interleaved (every system once, in a new random order, then again), each
+timing `steps` steps to completion; the table reports the median per-step time,
+its spread (min-max over repetitions), the ratio of medians to the hand-written
+fused and two-call steps, and the process's CPU time per step (all threads) over
+the two-call's. A second copy of the hand-written two-call runs as a control:
+its ratio to the first shows how far two identical loops measure apart.
 Anchor libraries (equinox, flax, torch) run when installed, else are skipped
 with a note.
 """
@@ -11,6 +14,7 @@ with a note.
 from __future__ import annotations
 
 import itertools
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +32,9 @@ SIZES: dict[str, tuple[list[int], int]] = {
     "wide": ([256, 1024, 1024, 10], 512),
 }
 LR = 1e-3
+TWO = "jax two-call (hand-written)"
+# The same loop as TWO with its own model and state: the table's control.
+CONTROL = "jax two-call, again (control)"
 
 
 def _init(sizes: list[int], key: Any) -> list[dict[str, Any]]:
@@ -109,8 +116,12 @@ def _systems(
         jax.block_until_ready(ps)
         s[:] = [ps, st]
 
+    def hand_two_again(n: int, s: list[Any] = [ps0, opt.init(ps0)]) -> None:  # noqa: B006, B008
+        hand_two(n, s)
+
     systems["jax.jit fused (hand-written)"] = hand_fused
-    systems["jax two-call (hand-written)"] = hand_two
+    systems[TWO] = hand_two
+    systems[CONTROL] = hand_two_again
 
     m0 = _tg_model(sizes, key)
 
@@ -299,19 +310,39 @@ def _anchors(
         notes.append(_skipped("torch", e, "pip install torch"))
 
 
+class Measured(NamedTuple):
+    """Per system, seconds per step of each repetition: wall clock, and the
+    process's CPU time (all threads: Python's and JAX's workers)."""
+
+    times: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+    notes: list[str]
+    traces: dict[str, list[int]]
+
+
 def measure(
-    sizes: list[int], batch: int, steps: int, repeats: int, anchors: bool = True
-) -> tuple[dict[str, list[float]], list[str], dict[str, list[int]]]:
+    sizes: list[int], batch: int, steps: int, repeats: int, anchors: bool = True, seed: int = 0
+) -> Measured:
     systems, notes, traces = _systems(sizes, batch, anchors)
     for run in systems.values():
         run(3)  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in systems}
+    cpu: dict[str, list[float]] = {name: [] for name in systems}
+    order = list(systems)
+    rng = random.Random(seed)
     for _ in range(repeats):
-        for name, run in systems.items():
-            t = time.perf_counter()
-            run(steps)
+        # A new order each repetition. In a fixed one each system always follows
+        # the same other, and what ran just before changes how the kernel places
+        # JAX's worker threads next to the Python thread on a machine of few
+        # cores: two copies of the same hand-written loop measured 1.17x apart
+        # in a fixed rotation with equinox, 0.88x in another (docs/benchmarks.md).
+        rng.shuffle(order)
+        for name in order:
+            t, c = time.perf_counter(), time.process_time()
+            systems[name](steps)
             times[name].append((time.perf_counter() - t) / steps)
-    return times, notes, traces
+            cpu[name].append((time.process_time() - c) / steps)
+    return Measured(times, cpu, notes, traces)
 
 
 def first_call(sizes: list[int], batch: int) -> dict[str, float]:
@@ -350,19 +381,22 @@ def first_call(sizes: list[int], batch: int) -> dict[str, float]:
     return {"jax.jit": plain, "tg.jit": ours}
 
 
-def format_table(title: str, times: dict[str, list[float]]) -> str:
+def format_table(
+    title: str, times: dict[str, list[float]], cpu: dict[str, list[float]] | None = None
+) -> str:
     base = statistics.median(times["jax.jit fused (hand-written)"])
-    two = statistics.median(times["jax two-call (hand-written)"])
-    lines = [
-        title,
-        f"{'system':<34} {'median us/step':>15} {'spread':>17} {'vs fused':>9} {'vs two-call':>12}",
-    ]
+    two = statistics.median(times[TWO])
+    header = f"{'system':<34} {'median us/step':>15} {'spread':>17} {'vs fused':>9}"
+    header += f" {'vs two-call':>12}" + (f" {'cpu vs two-call':>16}" if cpu else "")
+    lines = [title, header]
     for name, ts in times.items():
         med = statistics.median(ts)
         spread = f"{1e6 * min(ts):.1f}-{1e6 * max(ts):.1f}"
-        lines.append(
-            f"{name:<34} {1e6 * med:>15.1f} {spread:>17} {med / base:>9.2f} {med / two:>12.2f}"
-        )
+        line = f"{name:<34} {1e6 * med:>15.1f} {spread:>17} {med / base:>9.2f} {med / two:>12.2f}"
+        if cpu:
+            ratio = statistics.median(cpu[name]) / statistics.median(cpu[TWO])
+            line += f" {ratio:>16.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -370,8 +404,8 @@ def format_table(title: str, times: dict[str, list[float]]) -> str:
 BASELINES = {
     "tg.jit step": "jax.jit fused (hand-written)",
     "tg.jit implicit step": "jax.jit fused (hand-written)",
-    "tg naive loop (new lambda/step)": "jax two-call (hand-written)",
-    "tg implicit loop": "jax two-call (hand-written)",
+    "tg naive loop (new lambda/step)": TWO,
+    "tg implicit loop": TWO,
 }
 SWEEP_DEPTHS = [5, 25, 100, 500]
 
@@ -402,7 +436,7 @@ def leaf_sweep(
                 f"{time.perf_counter() - start:.0f} s so far",
                 flush=True,
             )
-        times, _, _ = measure([8] * (depth + 1), 8, steps, repeats, anchors=False)
+        times = measure([8] * (depth + 1), 8, steps, repeats, anchors=False).times
         for name, base in BASELINES.items():
             ratios = [t / b for t, b in zip(times[name], times[base], strict=True)]
             out.setdefault(name, []).append(
@@ -431,11 +465,11 @@ def main(
     )
     for size in sizes:
         layer_sizes, batch = SIZES[size]
-        times, notes, traces = measure(layer_sizes, batch, steps, repeats)
+        times, cpu, notes, traces = measure(layer_sizes, batch, steps, repeats)
         print()
         print(
             format_table(
-                f"{size}: MLP {'-'.join(map(str, layer_sizes))}, batch {batch}, Adam", times
+                f"{size}: MLP {'-'.join(map(str, layer_sizes))}, batch {batch}, Adam", times, cpu
             )
         )
         print(
