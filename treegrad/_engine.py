@@ -49,7 +49,7 @@ from ._paths import _LAST, _SETTERS
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
-from ._tree import describe_leaf, is_inexact
+from ._tree import describe_leaf, is_inexact, value_key
 from ._walk import _SLOT_NAMES, Walk, describe, node_types
 
 
@@ -109,7 +109,8 @@ class Call:
             except TypeError:  # unhashable static leaves are keyed by identity
                 self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
         self.a_uniq, self.a_slots = uniq(arrays)
-        self.key = (program, options, root_keys(roots), self.a_def, self.a_statics, self.a_slots)
+        statics = None if self.a_statics is None else value_key(self.a_statics)
+        self.key = (program, options, root_keys(roots), self.a_def, statics, self.a_slots)
 
 
 def root_keys(roots: tuple[Any, ...]) -> Any:

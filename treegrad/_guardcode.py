@@ -192,6 +192,10 @@ class Guard(CodeGen):
             self._fail_unless(d, f"{v} is {value!r}")
         elif isinstance(value, float) and value != value:
             self._fail_unless(d, f"type({v}) is float and {v} != {v}")
+        elif type(value) in (float, complex) and (value == 0 or type(value) is complex):
+            # == takes -0.0 for 0.0 (1 / x differs): compare the text, which keeps them apart.
+            k = self._k(repr(value))
+            self._fail_unless(d, f"type({v}) is {type(value).__name__} and repr({v}) == {k}")
         else:
             k = self._k(value)
             self._fail_unless(d, f"{v} is {k} or (type({v}) is type({k}) and {v} == {k})")

@@ -22,6 +22,7 @@ from . import _engine as E
 from . import _guard as G
 from . import _programs as P
 from ._shard import by_prefix
+from ._tree import value_key
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
 
@@ -130,7 +131,7 @@ class Jitted:
                 roots.append(a)
             else:
                 kw[k] = a
-        options = (tuple(static), self._out_shardings is not UNSET)
+        options = (value_key(tuple(static)), self._out_shardings is not UNSET)
 
         def make(call: E.Call) -> E.Entry:
             return self._new_entry(call, options, static)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.tree_util import GetAttrKey
 
-from ._tree import describe_leaf, is_differentiable
+from ._tree import describe_leaf, is_differentiable, same_value
 
 _ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
 # Python scalars, strings and functions are the common static attributes;
@@ -175,7 +175,7 @@ def _deep_equal(a: Any, b: Any) -> bool:
     if not callable(a) and hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:
         return _deep_equal(vars(a), vars(b))
     try:
-        return bool(a == b)
+        return same_value(a, b)
     except (TypeError, ValueError):
         return False
 

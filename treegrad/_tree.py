@@ -182,3 +182,24 @@ def picker(index: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
         return lambda xs: [xs[i] for i in index]
     get = operator.itemgetter(*index)
     return lambda xs: list(get(xs))
+
+
+def value_key(x: Any) -> Any:
+    """A key equal for two static values only when a program traced with one is right
+    for the other: `==` alone takes `1` for `1.0` and `True` (which trace to other
+    dtypes) and `0.0` for `-0.0` (`1 / x` differs). Tuples are keyed item by item."""
+    t = type(x)
+    if t is float or t is complex:
+        return (t, repr(x))  # repr tells -0.0 from 0.0, and keeps nan equal to nan
+    if t is tuple:
+        return (t, tuple(map(value_key, x)))
+    return (t, x)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """`a == b` for static data, with `value_key`'s distinctions."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is float or type(a) is complex:
+        return repr(a) == repr(b)
+    return bool(a == b)
