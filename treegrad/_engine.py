@@ -109,8 +109,8 @@ class Call:
             except TypeError:  # unhashable static leaves are keyed by identity
                 self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
         self.a_uniq, self.a_slots = uniq(arrays)
-        statics = None if self.a_statics is None else value_key(self.a_statics)
-        self.key = (program, options, root_keys(roots), self.a_def, statics, self.a_slots)
+        typed = None if self.a_statics is None else value_key(self.a_statics)
+        self.key = (program, options, root_keys(roots), self.a_def, typed, self.a_slots)
 
 
 def root_keys(roots: tuple[Any, ...]) -> Any:
