@@ -49,7 +49,7 @@ from ._paths import _LAST, _SETTERS
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
-from ._tree import describe_leaf, is_inexact, value_key
+from ._tree import describe_leaf, is_inexact, user_stacklevel, value_key
 from ._walk import _SLOT_NAMES, Walk, describe, node_types
 
 
@@ -615,7 +615,7 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
         "stay correct. Pass these arrays as arguments, or hold them in a tg.Module, list, "
         "dict, plain object or a closure variable.",
         RetraceWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -22,7 +22,7 @@ from . import _engine as E
 from . import _programs as P
 from ._outputs import DYN
 from ._params import Grads, NoGradientError, NoGradientWarning, Params
-from ._tree import path_str
+from ._tree import path_str, user_stacklevel
 from ._typing import GradientTree, PyTree
 
 
@@ -61,14 +61,15 @@ def _check_style_once(f: Any, api: str, args: tuple[Any, ...], ps: Params | None
     n = _positional_arity(f)
     if n is None:
         return
-    if ps is not None and n > 0:
+    # Arguments with defaults are not required: `lambda c=c: ...` is the loop-capture idiom.
+    n_required = n - len(getattr(f, "__defaults__", None) or ())
+    if ps is not None and n_required > 0:
         raise TypeError(
             f"{api}: implicit style (a tg.Params as the only argument) calls the function with "
-            f"no arguments, but {_describe(f)} takes {n}. Write "
+            f"no arguments, but {_describe(f)} takes {n_required} without a default. Write "
             f"{api}(lambda: loss(model, x, y), ps), or use explicit style: "
             f"{api}(lambda m: loss(m, x, y), model)."
         )
-    n_required = n - len(getattr(f, "__defaults__", None) or ())
     if ps is None and n_required > len(args):
         raise TypeError(
             f"{api}: {_describe(f)} takes {n} positional argument(s) but was given "
@@ -149,7 +150,7 @@ def _no_gradient(api: str, strict: bool, n: int) -> None:
     )
     if strict:
         raise NoGradientError(msg)
-    warnings.warn(msg, NoGradientWarning, stacklevel=3)
+    warnings.warn(msg, NoGradientWarning, stacklevel=user_stacklevel())
 
 
 def _split_implicit(args: tuple[Any, ...]) -> Params | None:

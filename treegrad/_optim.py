@@ -389,7 +389,16 @@ def _cast(name: str, value: Any, old: Any, api: str) -> Any:
         jnp.iscomplexobj(new) and not jnp.iscomplexobj(old)
     ):
         raise TypeError(f"{api}: {name} is {jnp.asarray(old).dtype} in the rule, got {new.dtype}.")
-    return new.astype(jnp.asarray(old).dtype)
+    dtype = jnp.asarray(old).dtype
+    cast = new.astype(dtype)
+    if not bool(jnp.all(cast == new)):
+        # Never truncate: learning_rate=0.5 into an int32 would become 0 and stop training.
+        raise TypeError(
+            f"{api}: {name}={value!r} cannot be held exactly by the rule's {dtype} {name} "
+            f"(the rule was built with an integer, e.g. {name}=1). Build the rule with a "
+            f"float ({name}=1.0) to adjust it to {value!r}."
+        )
+    return cast
 
 
 def _with_hyperparams(state: Any, values: dict[str, Any], rule: Any, api: str) -> Any:

@@ -351,6 +351,9 @@ class Grads(Mapping[Any, Any]):
     """
 
     __slots__ = ("_grads", "_index", "_names", "_params", "_paths")
+    # numpy would otherwise take a Grads for a sequence of its keys (the parameters)
+    # in `np.float32(2) * grads` and scale those; None makes it defer to __rmul__.
+    __array_ufunc__ = None
 
     def __init__(self, params: list[Any], grads: list[Any], paths: list[tuple[Any, ...]]):
         self._params = params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -203,3 +204,18 @@ def same_value(a: Any, b: Any) -> bool:
     if type(a) is float or type(a) is complex:
         return repr(a) == repr(b)
     return bool(a == b)
+
+
+def user_stacklevel() -> int:
+    """`stacklevel` for a `warnings.warn` in the caller: the first frame outside treegrad,
+    so the warning names the user's line however deep inside treegrad it is raised."""
+    frame = sys._getframe(1)  # the function that calls warnings.warn: level 1
+    level = 1
+    while frame.f_back is not None and _ours(frame.f_globals.get("__name__")):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _ours(module: Any) -> bool:
+    return isinstance(module, str) and (module == "treegrad" or module.startswith("treegrad."))
