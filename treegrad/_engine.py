@@ -177,6 +177,9 @@ class Entry:
         self.param_pos: tuple[int, ...] = ()
         self.wrt: tuple[int, ...] = ()
         self.active: tuple[int, ...] = ()
+        self._pick_wrt: Callable[[Sequence[Any]], Sequence[Any]] = _picker(())
+        self._wrt_dtypes: tuple[Any, ...] = ()
+        self._wrt_kinds: tuple[bool, ...] = ()
         self._donate_fn = donate
         self._shardings_fn = shardings
         self.jitted: Any = None
@@ -199,8 +202,29 @@ class Entry:
         elif self.program != CALL:
             self.wrt = tuple(range(self.n_cl, len(dyn)))
         self.active = tuple(i for i in self.wrt if is_inexact(dyn[i].dtype))
+        self._pick_wrt = _picker(self.wrt)
+        self._wrt_dtypes = self._dtypes(dyn)
+        self._wrt_kinds = tuple(map(is_inexact, self._wrt_dtypes))
         self._build()
         return dyn
+
+    def _dtypes(self, dyn: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(map(_DTYPE, self._pick_wrt(dyn)))
+
+    def fits(self, dyn: Sequence[Any]) -> bool:
+        """Whether these inputs are differentiable at the places the first call's were.
+
+        `active` (what the program differentiates) was read from the first call's
+        dtypes; jax traces a new dtype again but keeps the entry, so an integer
+        array where a float one was (or back) needs an entry of its own.
+        """
+        dtypes = self._dtypes(dyn)
+        if dtypes == self._wrt_dtypes:  # the usual case: compared by identity, in C
+            return True
+        if tuple(map(is_inexact, dtypes)) != self._wrt_kinds:
+            return False
+        self._wrt_dtypes = dtypes  # float32 to bfloat16, say: the same places
+        return True
 
     def _build(self) -> None:
         kwargs: dict[str, Any] = {}
@@ -474,6 +498,19 @@ class Entry:
         return tuple(groups)
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """`lambda xs: [xs[i] for i in positions]`, in C."""
+    if not positions:
+        return lambda xs: ()
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda xs: (xs[i],)
+    return operator.itemgetter(*positions)
+
+
 def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:
     index = {id(a): i for i, a in enumerate(cl_uniq)}
     return tuple(index.get(id(p), -1) for p in params)
@@ -567,8 +604,11 @@ def _lookup(
         cl_uniq = entry.matches(cl, params)
         if cl_uniq is None:
             continue
+        dyn = cl_uniq + a_uniq
+        if not entry.fits(dyn):
+            continue
         _LRU.move_to_end(id(entry))
-        return entry, entry.run(roots, cl_uniq + a_uniq)
+        return entry, entry.run(roots, dyn)
     return None
 
 
