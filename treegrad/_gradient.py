@@ -17,6 +17,8 @@ from types import FunctionType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from . import _engine as E
 from . import _programs as P
@@ -248,7 +250,8 @@ class Pullback:
     """The backward function returned by `tg.pullback`: `back(dy)` gives gradients.
 
     `dy` has the structure of the output; `back(None)` (no cotangent) gives
-    `None` for every gradient, as a structural zero.
+    `None` for every gradient, as a structural zero. `None` for one output array
+    is a zero cotangent for it, and a Python number is taken for a scalar output.
     """
 
     __slots__ = ("_aux", "_back", "_none", "_place", "_shapes")
@@ -270,15 +273,42 @@ class Pullback:
                 "tg.pullback: the cotangent does not have the structure of the output "
                 f"({self._aux.treedef}); pass one array per output array, shaped like it."
             ) from None
-        arrays = [d for d, s in zip(leaves, self._aux.statics, strict=True) if s is DYN]
-        for k, (d, (shape, dtype)) in enumerate(zip(arrays, self._shapes, strict=True)):
-            if getattr(d, "shape", None) != shape:
-                raise ValueError(
-                    f"tg.pullback: the cotangent dy has shape {getattr(d, 'shape', type(d))} "
-                    f"where the output{'' if len(arrays) == 1 else f' {k}'} has shape {shape} "
-                    f"({dtype}); pass dy shaped like the output."
-                )
+        given = [d for d, s in zip(leaves, self._aux.statics, strict=True) if s is DYN]
+        if all(d is None for d in given):
+            return self._none
+        arrays = [
+            _cotangent(d, shape, dtype, k if len(given) > 1 else None)
+            for k, (d, (shape, dtype)) in enumerate(zip(given, self._shapes, strict=True))
+        ]
         return self._place(_BACK(self._back, arrays))
+
+
+def _cotangent(d: Any, shape: tuple[int, ...], dtype: Any, k: int | None) -> Any:
+    """The cotangent `d` given for one output array (the `k`-th), as jax.vjp takes it."""
+    which = "" if k is None else f" {k}"
+    if d is None:
+        # None for one output, as for the whole output: it contributes nothing.
+        return jnp.zeros(shape, dtype)
+    number = isinstance(d, (int, float, complex, np.generic)) and not isinstance(
+        d, (bool, np.bool_)
+    )
+    got = np.shape(d) if number else getattr(d, "shape", None)
+    if got != shape:
+        what = f"shape {got}" if got is not None else f"type {type(d).__name__}"
+        raise ValueError(
+            f"tg.pullback: the cotangent dy{which} has {what} where the output{which} has "
+            f"shape {shape} ({dtype}); pass dy shaped like the output."
+        )
+    if number:
+        # `back(1.0)` for a scalar loss is the usual idiom (Zygote's too); left as
+        # it is, a Python float would reach jax.vjp weakly typed or as float64.
+        if not np.can_cast(np.result_type(d), dtype, "same_kind"):
+            raise ValueError(
+                f"tg.pullback: the cotangent dy{which} is a {type(d).__name__} where the "
+                f"output{which} has dtype {dtype}; pass a value of that kind."
+            )
+        return jnp.asarray(d, dtype)
+    return d
 
 
 def pullback(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, Pullback]:

@@ -203,6 +203,52 @@ def _inputs(
     return tuple(filled), config.present(missing, tracing)
 
 
+def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: str) -> None:
+    """The model's tied weights are those the state was set up with.
+
+    A tie is one optimiser state for several places; one made or broken since
+    `tg.setup` would sum two parameters' gradients into one, or leave a place
+    never updated, without a word.
+    """
+    if len(set(map(id, params))) != len(params):
+        seen: dict[int, int] = {}
+        for i, x in enumerate(params):
+            j = seen.setdefault(id(x), i)
+            if j != i:
+                a, b = config.paths[config.first[j]], config.paths[config.first[i]]
+                raise ValueError(
+                    f"{api}: '{a}' and '{b}' are now one array (a tied weight), but were two "
+                    "when the optimiser state was set up, each with its own state. Set the "
+                    f"state up again for the tied model (tg.setup(rule, model)), or give '{b}' "
+                    "an array of its own."
+                )
+    if config.tied and not all(
+        map(operator.is_, config.pick_trainable(m_leaves), config.pick_by_param(params))
+    ):
+        for p, i in zip(config.tpos, config.tslot, strict=True):
+            if m_leaves[p] is not params[i]:
+                a, b = config.paths[config.first[i]], config.paths[p]
+                raise ValueError(
+                    f"{api}: '{a}' and '{b}' were one array (a tied weight) when the optimiser "
+                    "state was set up, and are now two. Tie them again (assign the same array "
+                    f"to both), or set the state up again for the untied model "
+                    "(tg.setup(rule, model))."
+                )
+
+
+def _check_avals(config: _Config, params: list[Any], api: str, error: Exception) -> None:
+    """Name a parameter whose shape or dtype changed since setup (the step then fails
+    inside the rule with an error that names neither)."""
+    for i, (x, (shape, dtype)) in enumerate(zip(params, config.avals, strict=True)):
+        if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
+            raise ValueError(
+                f"{api}: '{config.paths[config.first[i]]}' is {describe_leaf(x)} but was "
+                f"{jnp.dtype(dtype).name}{list(shape)} when the optimiser state was set up; its "
+                "state has the old shape. Set the state up again for the changed model "
+                "(tg.setup(rule, model))."
+            ) from error
+
+
 def _check_rebindable(config: _Config, model: Any, api: str) -> None:
     pinned = [p for p in config.pinned(model) if config.slots[p] not in config.frozen]
     if pinned:
@@ -232,6 +278,7 @@ def _run(
     if in_place:
         _check_rebindable(config, model, api)
     params = config.pick_first(m_leaves)
+    _check_ties(config, m_leaves, params, api)
     if isinstance(grads, Grads):
         g = _from_mapping(config, grads, m_leaves, params, api)
     else:
@@ -245,6 +292,10 @@ def _run(
         leaves, new_updated = run(config, placed, state._leaves, updated, kept, g_in, present)
     except BadGradient as e:
         raise ValueError(f"{api}: {e}") from None
+    except (TypeError, ValueError) as e:
+        # Checked only once the step failed: a per-step check would cost every step.
+        _check_avals(config, params, api, e)
+        raise
     new_params = list(params)
     for i, x in zip(config.updated, new_updated, strict=True):
         new_params[i] = x

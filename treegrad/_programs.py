@@ -180,7 +180,7 @@ def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
 
     def loss_of(*xs: Any) -> Any:
         out, written = call(*xs)
-        loss = out[0] if has_aux and isinstance(out, tuple) else out
+        loss = _first(out, entry.api) if has_aux and isinstance(out, tuple) else out
         return scalar_loss(loss, entry.api), (out if has_aux else None, written)
 
     if active:
@@ -198,6 +198,17 @@ def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
         loss, (out, written) = loss_of()
         grads = []
     return _flat_grads(entry, active, grads), pack(out), Written.of(written)
+
+
+def _first(out: tuple[Any, ...], api: str) -> Any:
+    """The loss of a tuple output (`withgradient`'s auxiliary results follow it)."""
+    if not out:
+        raise TypeError(
+            f"{api}: the function must return a real scalar, or a tuple whose first element is "
+            "one, but it returned an empty tuple (). Put the loss first: return (loss, aux); "
+            "for the derivatives of a vector output use tg.jacobian."
+        )
+    return out[0]
 
 
 def _grads_out(entry: Entry, active: Sequence[int], grads: Sequence[Any]) -> Any:
