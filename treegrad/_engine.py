@@ -44,7 +44,7 @@ from . import _guard as G
 from . import _jaxpr
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
-from ._outputs import DYN, Packed, Written, _Aux, expand, split_output, uniq
+from ._outputs import DYN, Packed, Written, _Aux, expand, split_unique, uniq
 from ._paths import _LAST, _SETTERS
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
@@ -265,7 +265,7 @@ class Entry:
         else:
             _, packed, grads, written = result
         if packed.aux is None:
-            arrays, aux = split_output(packed.payload)
+            arrays, aux = split_unique(packed.payload)
         else:
             arrays, aux = packed.payload, packed.aux
         sig = (aux, written.places, written.index)

@@ -42,11 +42,17 @@ def expand(values: Sequence[Any], slots: tuple[int, ...] | None) -> list[Any]:
 class _Aux:
     """Non-array parts of an output, carried through `jax.jit` as static data."""
 
-    __slots__ = ("_shape", "statics", "treedef")
+    __slots__ = ("_shape", "slots", "statics", "treedef")
 
-    def __init__(self, treedef: Any, statics: tuple[Any, ...]):
+    def __init__(
+        self, treedef: Any, statics: tuple[Any, ...], slots: tuple[int, ...] | None = None
+    ):
         self.treedef = treedef
         self.statics = statics
+        # For an output holding one array at several places (a tied weight): which of
+        # the distinct arrays each place gets (see `uniq`), so the places are one
+        # object again after the call. None: every array is at one place.
+        self.slots = slots
         self._shape: Shape | None = None
 
     def rebuild(self, arrays: Sequence[Any]) -> Any:
@@ -54,12 +60,13 @@ class _Aux:
         # static leaves in place, without a Python callback per Module.
         if self._shape is None:
             self._shape = Shape(self.treedef, spec=[TAKE if s is DYN else s for s in self.statics])
-        return self._shape.unflatten(arrays)
+        return self._shape.unflatten(expand(arrays, self.slots))
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, _Aux)
             and self.treedef == other.treedef
+            and self.slots == other.slots
             and len(self.statics) == len(other.statics)
             and all(a is b or _same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
         )
@@ -116,9 +123,17 @@ def split_output(out: Any) -> tuple[list[Any], _Aux]:
     return arrays, _Aux(treedef, tuple(statics))
 
 
-def pack(out: Any) -> Packed:
+def split_unique(out: Any) -> tuple[list[Any], _Aux]:
+    """`split_output` with each array once: jax would return a tied weight's places
+    as separate arrays, untying it in the caller's model."""
     arrays, aux = split_output(out)
-    if all(s is DYN for s in aux.statics):
+    unique, aux.slots = uniq(arrays)
+    return unique, aux
+
+
+def pack(out: Any) -> Packed:
+    arrays, aux = split_unique(out)
+    if aux.slots is None and all(s is DYN for s in aux.statics):
         return Packed(out, None)
     return Packed(arrays, aux)
 
