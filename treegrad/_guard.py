@@ -163,6 +163,8 @@ def code_info(code: types.CodeType) -> _CodeInfo:
 
 
 _JITTED_TYPE = type(jax.jit(lambda: None))
+# Wrappers whose `__wrapped__` function is inlined while tracing (`tg.jit` adds its own).
+JITTED_TYPES: set[type] = {_JITTED_TYPE}
 _PYTREE_NODE: dict[type, bool] = {}
 
 
@@ -308,17 +310,19 @@ class Partial(Node):
 
 
 class Jitted(Node):
-    """A `jax.jit` helper: its wrapped function, inlined while tracing.
+    """A `jax.jit` or `tg.jit` helper: its wrapped function, inlined while tracing.
 
     jax caches a jitted function's trace by the function and its arguments, not
     by what it closes over, so calling the helper itself would reuse a trace
-    holding old captured arrays as constants. Inlining it makes them inputs.
+    holding old captured arrays as constants. Inlining it makes them inputs (and
+    what a `tg.jit` helper writes into its captures, writes of the outer trace).
     """
 
-    __slots__ = ("inner",)
+    __slots__ = ("inner", "type")
 
-    def __init__(self, inner: Node):
+    def __init__(self, inner: Node, type_: type):
         self.inner = inner
+        self.type = type_
 
 
 class Obj(Node):

@@ -20,7 +20,6 @@ from ._codegen import CodeGen
 from ._fasttree import Shape
 from ._guard import (
     _ARRAY_TYPES,
-    _JITTED_TYPE,
     MISSING,
     Alias,
     Array,
@@ -131,7 +130,7 @@ class Guard(CodeGen):
             ):
                 self._read(d, f"{v}.{attr}", child)
         elif isinstance(node, Jitted):
-            self._fail_unless(d, f"type({v}) is {self._k(_JITTED_TYPE)}")
+            self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
             self._read(d, f"getattr({v}, '__wrapped__', MISSING)", node.inner)
         elif isinstance(node, Descr):
             self._fail_unless(d, f"type({v}) is {self._k(node.type)}")

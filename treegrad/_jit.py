@@ -202,6 +202,10 @@ def _signature(fn: Any) -> inspect.Signature | None:
         return None
 
 
+# A tg.jit helper called by a function being traced is inlined, like a jax.jit one.
+G.JITTED_TYPES.add(Jitted)
+
+
 def _hashed(value: Any, what: str) -> Any:
     try:
         hash(value)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ._guard import (
     _CONST_TYPES,
-    _JITTED_TYPE,
+    JITTED_TYPES,
     MISSING,
     Alias,
     Array,
@@ -204,10 +204,10 @@ class Walk:
             part.args = self.node(value.args, f"{path}.args")
             part.keywords = self.node(value.keywords, f"{path}.keywords")
             return part
-        if t is _JITTED_TYPE:
+        if t in JITTED_TYPES:
             inner = getattr(value, "__wrapped__", None)
             if type(inner) is types.FunctionType and not _is_library(inner):
-                jitted = self._memo(value, Jitted(Unchecked()))
+                jitted = self._memo(value, Jitted(Unchecked(), t))
                 jitted.inner = self._function(inner, path)
                 return jitted
             return Same(value)
