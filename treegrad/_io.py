@@ -14,8 +14,9 @@ shardings of `like` (see API.md §6). treegrad adds what orbax does not do:
   tree, keyed by its key path (one `jax.tree_util.keystr` per key entry, so
   `{"a.b": x}` and `{"a": {"b": y}}` never collide), pointing to a stored
   array (tied weights, one object at several paths, point to the same one),
-  or holding a Python bool/int/float/complex/str, or marking another leaf
-  (a function, an object) that `load` takes from `like`. Per stored array: the
+  or holding a Python bool/int/float/complex/str/bytes, or marking another leaf
+  (a function, an object) that `load` takes from `like`; and, for messages,
+  the type of each container on the leaf's path. Per stored array: the
   leaf's shape and dtype and its storage form (PRNG keys as their key data;
   the dtypes tensorstore refuses, uint2/uint4/float8_e4m3, widened or bitcast
   bit-exact). The sha256 and size of every file orbax wrote, and a sha256 of
@@ -51,6 +52,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +107,22 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
             existing checkpoint there is replaced atomically: until the new one
             is complete, `path` holds the previous one.
         tree: a model, a state from `tg.setup`, or any pytree of them. Arrays
-            of every dtype (bfloat16, float8, int4, complex, bool, PRNG keys,
-            sharded arrays) and Python numbers and strings are stored; other
-            leaves (functions, objects) are taken from `like` by `tg.load`.
+            of every numeric dtype (bfloat16, float8, int4, complex, bool, PRNG
+            keys, sharded arrays) and Python numbers, strings and bytes are
+            stored; other leaves (functions, objects) are taken from `like` by
+            `tg.load`.
 
     Returns:
         None.
 
     Raises:
-        FileExistsError: `path` is a file, or a folder holding files that
-            `tg.save` did not write (it never deletes those).
-        TypeError: `tree` holds traced arrays (`save` runs outside `jit`).
+        FileExistsError: `path` is a file, a dangling symbolic link, or a
+            folder holding files that `tg.save` did not write (it never
+            deletes those).
+        TypeError: `tree` holds traced arrays (`save` runs outside `jit`),
+            arrays of a dtype a checkpoint cannot store (strings, objects,
+            datetime64, float128), or a set, frozenset or bytearray (whose
+            value would be lost); nothing is written then.
 
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg, tempfile, os
@@ -151,7 +158,7 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
     except BaseException:
         # Not committed: the previous checkpoint is untouched; drop what this save wrote.
         if primary:
-            _remove(folder / name)
+            _remove_unfinished(folder, name)
             _remove(tmp)
         raise
     if primary:
@@ -190,6 +197,11 @@ def _sync(name: str) -> None:
 
 def _prepare(folder: Path) -> tuple[str | None, int]:
     """Create or check the folder, clean leftovers; return (current data folder, new generation)."""
+    if folder.is_symlink() and not folder.exists():
+        raise FileExistsError(
+            f"tg.save: {folder} is a symbolic link to {os.readlink(folder)}, which does not "
+            "exist. Create the folder it points to, remove the link, or save to another path."
+        )
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(
             f"tg.save: {folder} is a file, and a treegrad checkpoint is a folder. Remove the "
@@ -231,6 +243,17 @@ def _remove(p: Path) -> None:
         # A leftover that cannot be removed now is unreferenced and is retried
         # at the next save; failing the save over it would lose nothing but time.
         pass
+
+
+def _remove_unfinished(folder: Path, name: str) -> None:
+    """Remove data folder `name` and orbax's temporary one, which orbax leaves when it fails."""
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return  # the next save's cleanup retries; the save's own error is the one to raise
+    for e in entries:
+        if e == name or e.startswith(f"{name}.orbax-checkpoint-tmp"):
+            _remove(folder / e)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -325,6 +348,10 @@ def load(path: str | os.PathLike[str], like: PyTree) -> PyTree:
 
 
 def _sniff(p: Path) -> str:
+    mode = p.stat().st_mode
+    if not stat.S_ISREG(mode):
+        # Opening a FIFO (or a device) to read it would block or read forever.
+        return "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
     with open(p, "rb") as f:
         head = f.read(8)
     if not head:

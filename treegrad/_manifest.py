@@ -10,6 +10,8 @@ disk (folders, orbax, checksums, atomic commit) are `_io.py`'s business.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import math
@@ -38,6 +40,22 @@ _VALUE_TYPES: dict[str, type] = {
     "float": float,
     "complex": complex,
     "str": str,
+    "bytes": bytes,
+}
+# Leaves that hold data but have no faithful form in a checkpoint: `save`
+# refuses them (naming the path) rather than silently restoring `like`'s value.
+_REFUSED = {
+    set: "a sorted tuple or list instead (tg.save stores their elements)",
+    frozenset: "a sorted tuple or list instead (tg.save stores their elements)",
+    bytearray: "bytes instead",
+}
+# What jax.eval_shape makes of a Python number: a scalar ShapeDtypeStruct of
+# this kind of dtype (weakly typed, but for bool).
+_SCALAR_KINDS: dict[str, type] = {
+    "bool": np.bool_,
+    "int": np.signedinteger,
+    "float": np.floating,
+    "complex": np.complexfloating,
 }
 
 
@@ -67,10 +85,13 @@ class LeafRecord:
 
     keys: tuple[str, ...]
     path: str
-    kind: str  # "array", "value" (a Python bool/int/float/complex/str) or "other"
+    kind: str  # "array", "value" (a Python bool/int/float/complex/str/bytes) or "other"
     array: int | None = None
     type: str | None = None
     value: Any = None
+    # The type name of each container on the path, root first (one per key), for
+    # messages; None in checkpoints written before treegrad recorded it.
+    containers: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,22 @@ def leaves_with_keys(tree: Any) -> list[tuple[tuple[str, ...], str, Any]]:
     return out
 
 
+def container_names(tree: Any) -> list[tuple[str, ...]]:
+    """Per leaf, the type name of each container on its path, root first (one per key)."""
+    out: list[tuple[str, ...]] = []
+
+    def walk(node: Any, above: tuple[str, ...]) -> None:
+        data = node.node_data()
+        if data is None:
+            out.append(above)
+            return
+        for child in node.children():
+            walk(child, (*above, data[0].__name__))
+
+    walk(jax.tree_util.tree_structure(tree), ())
+    return out
+
+
 def check_concrete(leaf: Any, path: str, api: str) -> None:
     if isinstance(leaf, jax.core.Tracer):
         raise TypeError(
@@ -141,7 +178,8 @@ def describe(
     leaves: list[LeafRecord] = []
     index: dict[int, int] = {}
     seen: dict[tuple[str, ...], str] = {}
-    for keys, path, leaf in leaves_with_keys(tree):
+    containers = container_names(tree)
+    for (keys, path, leaf), inside in zip(leaves_with_keys(tree), containers, strict=True):
         if keys in seen:
             raise ValueError(
                 f"{api}: two leaves have the same key path {''.join(keys)} ('{display(path)}'); "
@@ -155,6 +193,7 @@ def describe(
             )
         if is_array(leaf):
             check_concrete(leaf, path, api)
+            check_storable(leaf, path, api)
             # Tied weights: one array object at several paths is stored once and
             # restored as one object. Scalars (np.generic) have no identity to keep.
             shared = index.get(id(leaf)) if isinstance(leaf, (jax.Array, np.ndarray)) else None
@@ -167,12 +206,50 @@ def describe(
                 stored.append(data)
                 if isinstance(leaf, (jax.Array, np.ndarray)):
                     index[id(leaf)] = shared
-            leaves.append(LeafRecord(keys, path, "array", array=shared))
+            leaves.append(LeafRecord(keys, path, "array", array=shared, containers=inside))
         elif (vt := _value_type(leaf)) is not None:
-            leaves.append(LeafRecord(keys, path, "value", type=vt, value=leaf))
+            leaves.append(LeafRecord(keys, path, "value", type=vt, value=leaf, containers=inside))
         else:
-            leaves.append(LeafRecord(keys, path, "other", type=type(leaf).__name__))
+            check_not_data(leaf, path, api)
+            leaves.append(
+                LeafRecord(keys, path, "other", type=type(leaf).__name__, containers=inside)
+            )
     return arrays, leaves, stored
+
+
+def _storable(dtype: Any) -> bool:
+    # tensorstore stores bool and the numeric dtypes of jax and numpy, except
+    # numpy's long double (float128/complex256 here, "Unsupported data type").
+    if _is_key(dtype) or jnp.issubdtype(dtype, np.bool_):
+        return True
+    if not jnp.issubdtype(dtype, np.number):
+        return False
+    return np.dtype(dtype).itemsize <= (16 if jnp.issubdtype(dtype, np.complexfloating) else 8)
+
+
+def check_storable(leaf: Any, path: str, api: str) -> None:
+    """Refuse an array dtype orbax cannot write before anything is written.
+
+    orbax fails on them only mid-save, from its threads, with an error that
+    does not name the leaf and a temporary folder left behind.
+    """
+    if not _storable(leaf.dtype):
+        raise TypeError(
+            f"{api}: '{display(path)}' is an array of dtype {leaf.dtype}, which a checkpoint "
+            "cannot store (bool and numeric dtypes up to 64-bit floats only). Convert it "
+            "(e.g. strings to a Python str or list of str, datetime64 to int64, float128 to "
+            "float64) or leave it out of the saved tree."
+        )
+
+
+def check_not_data(leaf: Any, path: str, api: str) -> None:
+    """Refuse a data leaf that would otherwise be silently replaced by `like`'s on load."""
+    for t, instead in _REFUSED.items():
+        if isinstance(leaf, t):
+            raise TypeError(
+                f"{api}: '{display(path)}' is a {t.__name__}, which a checkpoint does not "
+                f"store (its value would be lost). Save it as {instead}."
+            )
 
 
 def _storage_form(x: Any) -> tuple[ArrayRecord, Any]:
@@ -244,14 +321,24 @@ def _body(m: Manifest) -> dict[str, Any]:
 
 def _leaf_json(r: LeafRecord) -> dict[str, Any]:
     out: dict[str, Any] = {"keys": list(r.keys), "path": r.path, "kind": r.kind}
+    if r.containers is not None:
+        out["containers"] = list(r.containers)
     if r.kind == "array":
         out["array"] = r.array
     elif r.kind == "value":
         out["type"] = r.type
-        out["value"] = [r.value.real, r.value.imag] if r.type == "complex" else r.value
+        out["value"] = _value_json(r)
     else:
         out["type"] = r.type
     return out
+
+
+def _value_json(r: LeafRecord) -> Any:
+    if r.type == "complex":
+        return [r.value.real, r.value.imag]
+    if r.type == "bytes":
+        return base64.b64encode(r.value).decode("ascii")
+    return r.value
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
@@ -353,24 +440,45 @@ def _leaf(r: Any, n_arrays: int) -> LeafRecord:
     keys, path, kind = r.get("keys"), r.get("path"), r.get("kind")
     _need(isinstance(keys, list) and all(isinstance(k, str) for k in keys), "bad leaf 'keys'")
     _need(isinstance(path, str), "a leaf's 'path' is not a string")
+    inside = r.get("containers")
+    _need(
+        inside is None
+        or (
+            isinstance(inside, list)
+            and len(inside) == len(keys)
+            and all(isinstance(c, str) for c in inside)
+        ),
+        f"leaf '{path}' has bad 'containers'",
+    )
+    containers = None if inside is None else tuple(inside)
     if kind == "array":
         i = r.get("array")
         _need(type(i) is int and 0 <= i < n_arrays, f"leaf '{path}' names no stored array")
-        return LeafRecord(tuple(keys), path, kind, array=i)
+        return LeafRecord(tuple(keys), path, kind, array=i, containers=containers)
     t = r.get("type")
     _need(isinstance(t, str), f"leaf '{path}' has no type")
     if kind == "value":
         _need(t in _VALUE_TYPES, f"leaf '{path}' has an unknown value type {t!r}")
-        v = r.get("value")
-        if t == "complex":
-            _need(isinstance(v, list) and len(v) == 2, f"leaf '{path}': bad complex value")
-            v = complex(float(v[0]), float(v[1]))
-        elif t == "float" and type(v) is int:
-            v = float(v)
+        v = _parse_value(t, r.get("value"), path)
         _need(type(v) is _VALUE_TYPES[t], f"leaf '{path}': value is not a {t}")
-        return LeafRecord(tuple(keys), path, kind, type=t, value=v)
+        return LeafRecord(tuple(keys), path, kind, type=t, value=v, containers=containers)
     _need(kind == "other", f"leaf '{path}' has an unknown kind {kind!r}")
-    return LeafRecord(tuple(keys), path, kind, type=t)
+    return LeafRecord(tuple(keys), path, kind, type=t, containers=containers)
+
+
+def _parse_value(t: str, v: Any, path: str) -> Any:
+    if t == "complex":
+        _need(isinstance(v, list) and len(v) == 2, f"leaf '{path}': bad complex value")
+        return complex(float(v[0]), float(v[1]))
+    if t == "float" and type(v) is int:
+        return float(v)
+    if t == "bytes":
+        _need(isinstance(v, str), f"leaf '{path}': bad bytes value")
+        try:
+            return base64.b64decode(v, validate=True)
+        except binascii.Error:
+            raise ManifestError(f"leaf '{path}': bad bytes value") from None
+    return v
 
 
 def _file(f: Any) -> tuple[str, int, str]:
@@ -412,17 +520,16 @@ def match(
     out: list[Target | LeafRecord | None] = []
     owner: dict[int, tuple[str, int]] = {}  # id of a like array -> (first path, its array)
     used: set[tuple[str, ...]] = set()
-    for keys, path, leaf in leaves_with_keys(like):
+    containers = container_names(like)
+    for (keys, path, leaf), inside in zip(leaves_with_keys(like), containers, strict=True):
         r = saved.get(keys)
         name = display(path)
         if r is None:
-            what = describe_array(leaf) if is_array(leaf) else type(leaf).__name__
-            raise ValueError(
-                f"{api}: the model has '{name}' ({what}) but the checkpoint {where} does not. "
-                "Load into a model built like the one that was saved."
-            )
+            raise _missing(m, keys, inside, leaf, name, where, api)
         used.add(keys)
-        if is_array(leaf):
+        if _is_saved_python_scalar(leaf, r):
+            out.append(r)  # the saved Python number, as the tree that was saved held it
+        elif is_array(leaf):
             check_concrete(leaf, path, api)
             if r.kind != "array":
                 raise ValueError(
@@ -468,3 +575,72 @@ def match(
         )
     treedef = jax.tree_util.tree_structure(like)
     return out, lambda new: jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _is_saved_python_scalar(leaf: Any, r: LeafRecord) -> bool:
+    """`leaf` is what `jax.eval_shape` makes of the Python number `r` saved."""
+    kind = _SCALAR_KINDS.get(r.type or "") if r.kind == "value" else None
+    return (
+        kind is not None
+        and isinstance(leaf, jax.ShapeDtypeStruct)
+        and leaf.shape == ()
+        and not _is_key(leaf.dtype)
+        and bool(jnp.issubdtype(leaf.dtype, kind))
+        # eval_shape marks Python numbers weakly typed (bools excepted): a
+        # strongly typed scalar in `like` asks for an array, and gets an error.
+        and (leaf.weak_type or kind is np.bool_)
+    )
+
+
+def _missing(
+    m: Manifest,
+    keys: tuple[str, ...],
+    inside: tuple[str, ...],
+    leaf: Any,
+    name: str,
+    where: str,
+    api: str,
+) -> ValueError:
+    """The error for a leaf of `like` the checkpoint lacks, naming the containers if they differ."""
+    differ = _container_difference(m, keys, inside)
+    if differ is not None:
+        at, ours, theirs = differ
+        return ValueError(
+            f"{api}: the containers differ: {at} is of type {ours} in the model but of type "
+            f"{theirs} in the checkpoint {where} (so the model's '{name}' is not in it). Load "
+            "into a model built like the one that was saved."
+        )
+    what = describe_array(leaf) if is_array(leaf) else type(leaf).__name__
+    return ValueError(
+        f"{api}: the model has '{name}' ({what}) but the checkpoint {where} does not. "
+        "Load into a model built like the one that was saved."
+    )
+
+
+def _container_difference(
+    m: Manifest, keys: tuple[str, ...], inside: tuple[str, ...]
+) -> tuple[str, str, str] | None:
+    """(where, model's type, checkpoint's type) of the first container on `keys`'s path
+    whose type differs from the saved leaf sharing the longest key prefix, if any."""
+    best: LeafRecord | None = None
+    depth = -1
+    for r in m.leaves:
+        n = _common_prefix(r.keys, keys)
+        if r.containers is not None and n > depth:
+            best, depth = r, n
+    if best is None or best.containers is None or depth >= min(len(keys), len(best.keys)):
+        return None
+    ours, theirs = inside[depth], best.containers[depth]
+    if ours == theirs:
+        return None
+    at = f"the container at {''.join(keys[:depth])}" if depth else "the root"
+    return at, ours, theirs
+
+
+def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
