@@ -116,25 +116,26 @@ class Counted(tg.Module):
         self.calls = 0  # static data the step edits
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: editing a static attribute of a captured Module in tg.jit raises internal "
-    "treegrad._swap.Unsettled and leaves a JitTracer in the model",
-)
-def test_bug_static_counter_on_a_captured_module():
-    m = Counted()
+@pytest.mark.parametrize("rebind_w", [True, False])
+def test_static_counter_on_a_captured_module(rebind_w):
+    def run(wrap):
+        m = Counted()
 
-    @tg.jit
-    def step(x):
-        m.w = m.w + x
-        m.calls += 1
+        def step(x):
+            if rebind_w:
+                m.w = m.w + x * m.calls  # reads the counter it advances
+            m.calls += 1
 
-    try:
-        step(jnp.ones(2))  # raises treegrad._swap.Unsettled("the structure ... changed")
-    finally:
-        assert not isinstance(m.w, jax.core.Tracer), "a tracer leaked into the user's model"
-    np.testing.assert_array_equal(m.w, [2.0, 2.0])  # as uncompiled
-    assert m.calls == 1
+        step = wrap(step)
+        for _ in range(3):
+            step(jnp.ones(2))
+        return m
+
+    ref = run(lambda f: f)
+    m = run(tg.jit)
+    assert not isinstance(m.w, jax.core.Tracer), "a tracer leaked into the user's model"
+    np.testing.assert_array_equal(m.w, ref.w)  # [4, 4] when rebound: 1 + 0 + 1 + 2
+    assert m.calls == ref.calls == 3
 
 
 @pytest.mark.xfail(

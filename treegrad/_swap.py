@@ -205,13 +205,33 @@ class Swap:
 
 
 def _restore_tree(v: Any, treedef: Any, leaves: list[Any]) -> None:
-    """Put the original leaves back by position, whatever the trace rebound meanwhile."""
+    """Put the original leaves back, whatever the trace rebound meanwhile: by position,
+    or, where the function changed the structure (a static attribute it counts in,
+    a new attribute), by key path, so no traced value stays in the user's model."""
     now, now_def = jax.tree_util.tree_flatten(v)
-    if now_def != treedef:
-        raise Unsettled(f"the structure of a captured {type(v).__name__} changed while tracing")
-    back = {id(b): a for a, b in zip(leaves, now, strict=True) if a is not b}
+    if now_def == treedef:
+        back = {id(b): a for a, b in zip(leaves, now, strict=True) if a is not b}
+    else:
+        old_paths, now_paths = _key_paths(treedef), _key_paths(now_def)
+        if old_paths is None or now_paths is None:
+            raise Unsettled(f"the structure of a captured {type(v).__name__} changed while tracing")
+        before = dict(zip(old_paths, leaves, strict=True))
+        back = {}
+        for k, b in zip(now_paths, now, strict=True):
+            a = before.get(k, MISSING)
+            if a is not MISSING and a is not b:
+                back[id(b)] = a
     if back:
         rebind(v, back)
+
+
+def _key_paths(treedef: Any) -> list[Any] | None:
+    """The key path of each leaf of a structure (None: it cannot be rebuilt to read them)."""
+    try:
+        dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+        return [tuple(k) for k, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    except Exception:  # a user's pytree whose unflatten checks its leaves
+        return None
 
 
 # --- after a trace: what the function changed ------------------------------------
@@ -359,8 +379,14 @@ class Settle:
             return node
         if isinstance(node, Tree):
             leaves, treedef = jax.tree_util.tree_flatten(v)
-            if treedef != node.treedef:
+            if treedef != node.treedef and (
+                _key_paths(treedef) is None or _key_paths(treedef) != _key_paths(node.treedef)
+            ):
                 return self._demote(node, v)
+            # The same places (perhaps a static attribute the function changed, a
+            # counter): arrays it rebound are written back. The node keeps the old
+            # structure, so the next call fails its guard and traces again, reading
+            # the changed value fresh, as the uncompiled function would.
             node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]
             return node
         if isinstance(node, ParamsNode):
