@@ -138,29 +138,39 @@ def test_static_counter_on_a_captured_module(rebind_w):
     assert m.calls == ref.calls == 3
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: implicit step given the model as an argument trains nothing"
-)
-def test_bug_implicit_step_with_the_model_as_an_argument_trains_nothing():
+@pytest.mark.parametrize("donate", [False, True])
+def test_implicit_step_with_the_model_as_an_argument(donate):
     def run(compiled):
         model = make()
+        other = jax.tree_util.tree_map(lambda a: a + 0.5, make())  # not captured
         ps = tg.params(model)
         state = tg.setup(optax.sgd(0.1), ps)
 
-        def step(m, x, y):  # m *is* the model whose params ps holds
+        def step(m, x, y):  # m *is* the model whose params ps holds (or another one)
+            # Read before the update: under tg.jit an argument is its arrays' values
+            # (as with jax.jit), so after update_ rebinds the model, m is not it.
+            loss = loss_fn(m, x, y)
             tg.update_(state, ps, tg.gradient(lambda: loss_fn(m, x, y), ps))
+            return loss
 
-        step = tg.jit(step) if compiled else step
-        for _ in range(3):
-            step(model, X, Y)
-        return model
+        if compiled:
+            step = tg.jit(step, donate_argnums=(0,) if donate else ())
+        losses = [step(model, X, Y) for _ in range(3)]
+        # Another model's arrays are not the parameters: no gradient, as uncompiled.
+        with pytest.warns(tg.NoGradientWarning):
+            losses.append(step(other, X, Y))
+        losses.append(step(model, X, Y))
+        return model, losses
 
-    ref = run(False)
+    ref, ref_losses = run(False)
     assert float(loss_fn(ref, X, Y)) < float(loss_fn(make(), X, Y))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tg.NoGradientWarning)  # compiled: warns, trains nothing
-        got = run(True)
+        warnings.simplefilter("error", tg.NoGradientWarning)  # only the `other` call warns
+        warnings.simplefilter("ignore", UserWarning)  # jax: some donated buffers unusable
+        got, losses = run(True)
     assert_close_trees(got, ref)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert not any(a.is_deleted() for a in leaves(got))
 
 
 @pytest.mark.xfail(

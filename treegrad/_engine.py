@@ -177,6 +177,8 @@ class Entry:
         self.param_pos: tuple[int, ...] = ()
         self.wrt: tuple[int, ...] = ()
         self.active: tuple[int, ...] = ()
+        # `tg.jit`: for each argument array, the closure array it is (or -1); None: none.
+        self.a_links: tuple[int, ...] | None = None
         self._pick_wrt: Callable[[Sequence[Any]], Sequence[Any]] = _picker(())
         self._wrt_dtypes: tuple[Any, ...] = ()
         self._wrt_kinds: tuple[bool, ...] = ()
@@ -202,6 +204,8 @@ class Entry:
         elif self.program != CALL:
             self.wrt = tuple(range(self.n_cl, len(dyn)))
         self.active = tuple(i for i in self.wrt if is_inexact(dyn[i].dtype))
+        if self.program == CALL:
+            self.a_links = _links(cl_uniq, a_uniq)
         self._pick_wrt = _picker(self.wrt)
         self._wrt_dtypes = self._dtypes(dyn)
         self._wrt_kinds = tuple(map(is_inexact, self._wrt_dtypes))
@@ -211,13 +215,16 @@ class Entry:
     def _dtypes(self, dyn: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(map(_DTYPE, self._pick_wrt(dyn)))
 
-    def fits(self, dyn: Sequence[Any]) -> bool:
-        """Whether these inputs are differentiable at the places the first call's were.
+    def fits(self, dyn: list[Any]) -> bool:
+        """Whether these inputs are differentiable at the places the first call's were,
+        and (`tg.jit`) an argument is the closure's array where the first call's was.
 
         `active` (what the program differentiates) was read from the first call's
         dtypes; jax traces a new dtype again but keeps the entry, so an integer
         array where a float one was (or back) needs an entry of its own.
         """
+        if self.program == CALL:
+            return _links(dyn[: self.n_cl], dyn[self.n_cl :]) == self.a_links
         dtypes = self._dtypes(dyn)
         if dtypes == self._wrt_dtypes:  # the usual case: compared by identity, in C
             return True
@@ -448,8 +455,15 @@ class Entry:
 
     # Used while tracing.
     def args(self, vals: Sequence[Any]) -> Any:
-        """The arguments rebuilt from their unique arrays (tracers while tracing)."""
-        return self._in_arg_tree(expand(vals, self.a_slots), keep_statics=True)
+        """The arguments rebuilt from the inputs (tracers while tracing): `vals` holds
+        the closure's unique arrays, then the arguments'."""
+        arrays = list(vals[self.n_cl :])
+        if self.a_links is not None:
+            # An argument that is an array the function also captures is that
+            # array's tracer, as it is that object when the function runs uncompiled:
+            # `step(model, x)` with `ps = tg.params(model)` captured.
+            arrays = [a if k < 0 else vals[k] for a, k in zip(arrays, self.a_links, strict=True)]
+        return self._in_arg_tree(expand(arrays, self.a_slots), keep_statics=True)
 
     def arg_trees(self, by_pos: dict[int, Any]) -> Any:
         """One value per argument array leaf, in the arguments' structure (None elsewhere).
@@ -499,6 +513,15 @@ class Entry:
 
 
 _DTYPE = operator.attrgetter("dtype")
+
+
+def _links(cl_uniq: list[Any], a_uniq: list[Any]) -> tuple[int, ...] | None:
+    """For each argument array, the position of the same object among the closure's
+    arrays (-1 if none); None when they share none (checked in C on every call)."""
+    if not cl_uniq or not a_uniq or set(map(id, a_uniq)).isdisjoint(map(id, cl_uniq)):
+        return None
+    where = {id(x): k for k, x in enumerate(cl_uniq)}
+    return tuple(where.get(id(a), -1) for a in a_uniq)
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:

@@ -159,9 +159,11 @@ class Jitted:
         owners = self._owners(entry)
         donated: dict[int, bool] = {}
         slots = entry.a_slots or range(entry.n_args)
+        links = entry.a_links
         for u, who in zip(slots, owners, strict=True):
             ok = (isinstance(who, int) and who in self._donate) or who in self._donate_names
-            donated[u] = donated.get(u, True) and ok
+            # An argument that is also a captured array is read from the closure too.
+            donated[u] = donated.get(u, True) and ok and (links is None or links[u] < 0)
         return tuple(entry.n_cl + u for u, ok in donated.items() if ok)
 
     def _shardings(self, entry: E.Entry) -> tuple[Any, ...]:

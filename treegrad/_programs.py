@@ -84,7 +84,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
             for node in entry.absolute:
                 inner.put(node, None)
         try:
-            args = entry.args(vals[entry.n_cl :])
+            args = entry.args(vals)
             try:
                 if entry.program == CALL:
                     pos, kw = args
