@@ -551,13 +551,57 @@ def test_freeze_counts_like_none_gradients_with_one_rule():
     assert not np.allclose(p["a"], 1.0 - LR0)  # count 1 would step by exactly lr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a frozen parameter's step count stops advancing once tg.adjust_ gave it its "
-    "own part (even with an unchanged value), so adam's step after thaw depends on history",
-)
-def test_freezing_a_sub_state_with_its_own_hyperparameters():
-    plain_a, plain_count = _adam_after_freeze_thaw(split_first=False)
-    split_a, split_count = _adam_after_freeze_thaw(split_first=True)
-    assert split_count == plain_count == 3
-    np.testing.assert_allclose(split_a, plain_a, rtol=1e-6)
+FROZEN_PART_RULES = {
+    "one_parameter": inj,
+    "several_parameters_in_a_chain": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5), optax.inject_hyperparams(optax.adam)(learning_rate=LR0)
+    ),
+}
+
+
+def _dotted(path):
+    return ".".join(str(k.key) for k in path)
+
+
+@pytest.mark.parametrize("name", FROZEN_PART_RULES)
+@pytest.mark.parametrize("split_first", [False, True])
+def test_freezing_a_sub_state_with_its_own_hyperparameters(name, split_first):
+    # Frozen parameters (all of `enc`) count as `None` gradients whether or not
+    # tg.adjust_ (with an unchanged value) gave them a part of their own: a part
+    # made only of frozen parameters still advances its `count`.
+    make = FROZEN_PART_RULES[name]
+    several = name != "one_parameter"
+    enc = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])} if several else jnp.array([1.0])
+    model = {"enc": enc, "dec": jnp.array([[0.3, 0.7]])}
+    flat = {_dotted(p): x for p, x in jax.tree_util.tree_leaves_with_path(model)}
+    labels = {k: k.split(".")[0] for k in flat}
+    # A part of its own is a copy of the rule for its parameters (a global norm
+    # over them only): plain optax's multi_transform with one copy per label.
+    rule = optax.multi_transform({"enc": make(), "dec": make()}, labels) if split_first else make()
+    ref, ref_state = dict(flat), rule.init(flat)
+    state = tg.setup(make(), model)
+    if split_first:
+        tg.adjust_(state["enc"], learning_rate=LR0)
+    tg.freeze_(state["enc"])
+    for i in range(3):
+        if i == 2:
+            tg.thaw_(state["enc"])
+        g = jax.tree_util.tree_map(lambda x, i=i: jnp.full_like(x, 0.4 * (i + 1)), model)
+        flat_g = {_dotted(p): x for p, x in jax.tree_util.tree_leaves_with_path(g)}
+        if i < 2:
+            flat_g = {k: None if labels[k] == "enc" else x for k, x in flat_g.items()}
+        ref, ref_state = _ref_step_jit(rule, ref_state, ref, flat_g)
+        state, model = tg.update(state, model, g)
+    for path, x in jax.tree_util.tree_leaves_with_path(model):
+        key = _dotted(path)
+        np.testing.assert_allclose(x, ref[key], rtol=1e-6)
+        view = state
+        for k in path:
+            view = view[k.key]
+        inner = ref_state.inner_states[labels[key]].inner_state if split_first else ref_state
+        expected = optax.tree_map_params(
+            make(), lambda t, key=key: t[key], inner, is_leaf=lambda t: isinstance(t, dict)
+        )
+        assert_close(view.state, expected)
+        counts = [x for x in jax.tree_util.tree_leaves(view.state) if x.dtype == jnp.int32]
+        assert counts and all(int(c) == 3 for c in counts)

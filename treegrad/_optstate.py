@@ -110,7 +110,6 @@ class _Config:
         "pick_kept",
         "pick_trainable",
         "pick_updated",
-        "runs",
         "slots",
         "tied",
         "tpos",
@@ -155,7 +154,6 @@ class _Config:
         self.pick_first = picker(self.first)
         self.pick_updated = picker(self.updated)
         self.pick_kept = picker(self.kept)
-        self.runs = tuple(any(owner[i] == k for i in self.updated) for k in range(len(parts)))
         offsets = [0]
         for part in parts:
             offsets.append(offsets[-1] + part.state_def.num_leaves)

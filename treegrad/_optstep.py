@@ -81,12 +81,14 @@ def _step_impl(
     total, seen = _sum_over_places(config, grads, present)
     new_states = list(states)
     new_params: dict[int, Any] = {}
+    # Every part steps, even one whose parameters are all frozen: a frozen
+    # parameter counts as one with a `None` gradient, so its part's shared
+    # counters (optax's `count`) advance whether or not `tg.adjust_` or a
+    # grafted sub-state gave it a part of its own. The moment maths of such a
+    # part is dead code (its own entries are kept) and XLA drops it.
     for k in range(len(config.parts)):
-        if config.runs[k]:
-            lo, hi = config.offsets[k], config.offsets[k + 1]
-            new_states[lo:hi] = _part_step(
-                config, k, states[lo:hi], params, total, seen, new_params
-            )
+        lo, hi = config.offsets[k], config.offsets[k + 1]
+        new_states[lo:hi] = _part_step(config, k, states[lo:hi], params, total, seen, new_params)
     new_updated = [new_params[i] for i in config.updated]
     if placed is not None:
         n = len(states)
