@@ -90,3 +90,30 @@ def test_chain_indexing():
         ValueError, match=r"Dense\(2 => 3\).*expected input with 2 features.*\(4, 5\)"
     ):
         c(jnp.ones((4, 5)))
+
+
+def test_module_from_unflatten_keeps_its_structure_when_edited():
+    # tree_map puts whatever the function returns at the array places: shardings
+    # (a prefix tree for in_shardings), booleans (a filter spec), tracers.
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree_util.tree_map(lambda _: one, Affine())
+    spec = jax.tree_util.tree_map(lambda _: True, Affine())
+    before = jax.tree_util.tree_structure(Affine())
+    for tree in (shardings, spec):
+        tree.name = "affine"  # the same static value
+        tree.act = jax.nn.relu
+        assert jax.tree_util.tree_structure(tree) == before
+    shardings.w = one  # a sharding takes the place of the sharding it replaces
+    assert jax.tree_util.tree_structure(shardings) == before
+    spec.b = 2.0  # a Python number is static, wherever it is assigned
+    assert jax.tree_util.tree_leaves(spec) == [True]
+
+    @jax.jit
+    def edit(m):
+        m.name = "affine"
+        m.b = m.b + 1
+        return m
+
+    out = edit(Affine())
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(Affine())
+    np.testing.assert_array_equal(out.b, np.ones(2))

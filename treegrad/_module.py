@@ -3,8 +3,9 @@
 Every subclass is registered with `jax.tree_util` when it is defined, with key
 paths (`GetAttrKey`), so `jax.tree_util` functions, `jax.jit` and treegrad's own
 engine see through it. Which attributes are children is decided per instance at
-flatten time: arrays, Modules and containers holding them are children,
-everything else is static data carried in the treedef.
+flatten time: arrays (and the ShapeDtypeStructs standing for them), Modules and
+containers holding them are children, everything else is static data carried
+in the treedef. An assignment re-decides only the attribute assigned.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from jax.tree_util import GetAttrKey
 from ._tree import describe_leaf, is_differentiable, same_value
 
 _ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
+# What `jax.eval_shape` puts where a model has arrays: a `like` for `tg.load` is
+# a Module of these, and one assigned to it must take an array's place too.
+_ARRAY_LIKE: tuple[type, ...] = (*_ARRAY_TYPES, jax.ShapeDtypeStruct)
 # Python scalars, strings and functions are the common static attributes;
 # checking their exact type first keeps flatten cheap (it runs on every call).
 _SCALAR_TYPES = frozenset({int, float, complex, bool, str, bytes})
@@ -28,7 +32,7 @@ _SCALAR_TYPES = frozenset({int, float, complex, bool, str, bytes})
 
 # Per-type verdicts: 0 static, 1 child, 2 look inside. Memoised because this
 # runs for every attribute of every Module that is flattened without a cache.
-_KIND: dict[type, int] = {type(None): 0, list: 2, tuple: 2, dict: 2}
+_KIND: dict[type, int] = {type(None): 0, list: 2, tuple: 2, dict: 2, jax.ShapeDtypeStruct: 1}
 _KIND.update(dict.fromkeys(_SCALAR_TYPES, 0))
 
 
@@ -54,7 +58,7 @@ def _kind(t: type, value: Any) -> int:
 
 
 def holds_arrays(value: Any) -> bool:
-    """Whether a value holds arrays (and so is a pytree child, not static data)."""
+    """Whether a value holds arrays or ShapeDtypeStructs (so is a child, not static data)."""
     kind = _kind(type(value), value)
     if kind < 2:
         return kind == 1
@@ -63,7 +67,7 @@ def holds_arrays(value: Any) -> bool:
         return any(holds_arrays(v) for v in values)
     leaves = jax.tree_util.tree_leaves(value)
     return not (len(leaves) == 1 and leaves[0] is value) and any(
-        isinstance(leaf, _ARRAY_TYPES) for leaf in leaves
+        isinstance(leaf, _ARRAY_LIKE) for leaf in leaves
     )
 
 
@@ -180,7 +184,36 @@ def _deep_equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _classify(d: dict[str, Any]) -> _Static:
+class _Edited:
+    """Stands in the cache (`_tg_aux`) of a Module assigned to since its split was made.
+
+    The next flatten re-derives the split, but only for the attributes assigned:
+    the other children stay children whatever they hold. A Module built by
+    unflatten may hold at its array places anything a tree_map put there
+    (ShapeDtypeStructs, shardings, booleans of a filter spec); judged by value,
+    those became static and the tree lost its leaves when an unrelated
+    attribute was set. Never the same object as a `_Static`, so `_fasttree`'s
+    identity check sees the edit.
+    """
+
+    __slots__ = ("assigned", "names")
+
+    def __init__(self, names: tuple[str, ...], assigned: tuple[str, ...]):
+        self.names = names  # the children before the assignments
+        self.assigned = assigned
+
+    def keeps(self, name: str, value: Any) -> bool:
+        """Whether `name` stays a child although its value alone would make it static."""
+        if name not in self.names:
+            return False
+        if name not in self.assigned:
+            return True
+        # A lone leaf of no static kind replacing a child (a sharding in a tree of
+        # shardings) takes the child's place; a Python number or function does not.
+        return _kind(type(value), value) == 3 and jax.tree_util.all_leaves((value,))
+
+
+def _classify(d: dict[str, Any], edited: _Edited | None = None) -> _Static:
     names = []
     static = []
     for k, v in d.items():
@@ -188,7 +221,12 @@ def _classify(d: dict[str, Any]) -> _Static:
         # gradient tree, which has None where the model has a non-differentiable
         # array, keeps the model's structure. Empty lists and dicts are children
         # too, so layers appended to them later are seen.
-        if v is None or (type(v) in (list, dict) and not v) or holds_arrays(v):
+        if (
+            v is None
+            or (type(v) in (list, dict) and not v)
+            or holds_arrays(v)
+            or (edited is not None and edited.keeps(k, v))
+        ):
             names.append(k)
         else:
             static.append((k, v))
@@ -201,14 +239,16 @@ def _flatten(module: Module) -> tuple[tuple[Any, ...], _Static]:
     # largest share of treegrad's per-step overhead on small models.
     # A Module with mutable static data (a list, a dict, a config object) is
     # classified afresh each time: an edit in place must be seen, and a static
-    # dict that gains an array must become a child.
+    # dict that gains an array must become a child. (It keeps its `_Edited`, so
+    # the children an assignment did not touch stay children on every flatten.)
     d = module.__dict__
     try:
         aux = module._tg_aux
     except AttributeError:
         aux = None
-    if aux is None or aux.size != len(d):
-        aux = _classify(d)
+    if type(aux) is not _Static or aux.size != len(d):
+        edited = aux if type(aux) is _Edited else None
+        aux = _classify(d, edited)
         if not aux.mutable:
             object.__setattr__(module, "_tg_aux", aux)
     return aux.children(d), aux
@@ -263,15 +303,15 @@ class Module:
     __trainable__: ClassVar[tuple[str, ...] | None] = None
     # Outside __dict__, so it is neither an attribute of the model nor data.
     __slots__ = ("__weakref__", "_tg_aux")
-    _tg_aux: _Static | None
+    _tg_aux: _Static | _Edited | None
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-        object.__setattr__(self, "_tg_aux", None)
+        _forget_split(self, name)
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
-        object.__setattr__(self, "_tg_aux", None)
+        _forget_split(self, name)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -285,6 +325,19 @@ class Module:
 
 # The slot's descriptor: setting the cache through it skips attribute lookup.
 _AUX_SLOT: Any = Module.__dict__["_tg_aux"]
+
+
+def _forget_split(module: Module, name: str) -> None:
+    """Drop the cached split after `name` was assigned or deleted."""
+    # A Module never flattened (one in its __init__) has nothing to remember.
+    aux = getattr(module, "_tg_aux", None)
+    if type(aux) is _Static:
+        aux = _Edited(aux.names, (name,))
+    elif aux is not None and name not in aux.assigned:
+        # A new object: copy.copy shares the slot's value between two Modules.
+        aux = _Edited(aux.names, (*aux.assigned, name))
+    _AUX_SLOT.__set__(module, aux)
+
 
 jax.tree_util.register_pytree_with_keys(
     Module, _flatten_with_keys, _make_unflatten(Module), flatten_func=_flatten
