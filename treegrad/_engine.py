@@ -377,9 +377,11 @@ class Entry:
                 if id(h) in ids:
                     raise TypeError(
                         f"{self.api}: the function reaches a registered parameter "
-                        f"({describe_leaf(h)}) through an object treegrad cannot see into, "
-                        "so its gradient cannot be taken. Reach it through a tg.Module, a list, "
-                        "a dict, a plain object, a closure variable or a global instead."
+                        f"({describe_leaf(h)}) through an object treegrad cannot see into "
+                        "(e.g. a plain object held by a tg.Module attribute, which the Module "
+                        "keeps as static data), so its gradient cannot be taken. Hold it in a "
+                        "tg.Module attribute, a list or a dict (make the object holding it a "
+                        "tg.Module), or reach it through a closure variable or a global."
                     )
         self.hidden = [describe_leaf(h) for h in hidden]  # descriptions, not the arrays
         self.cacheable = False
