@@ -172,7 +172,7 @@ def _deep_equal(a: Any, b: Any) -> bool:
         return False
     if type(a) is _Opaque:
         return a.obj is b.obj
-    if isinstance(a, _ARRAY_TYPES):
+    if isinstance(a, (jax.Array, np.ndarray)):
         # An array inside static data (a plain object holding one): the snapshot is
         # a copy, so compare values; `==` on arrays has no truth value.
         return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
