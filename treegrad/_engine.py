@@ -91,7 +91,7 @@ def root_key(f: Any) -> Any:
 class Call:
     """The roots (the function, and for `tg.jit` callable arguments) and the flat arguments."""
 
-    __slots__ = ("a_def", "a_slots", "a_statics", "a_uniq", "key", "roots")
+    __slots__ = ("a_def", "a_slots", "a_statics", "a_uniq", "groups", "key", "roots")
 
     def __init__(self, program: str, options: Any, roots: tuple[Any, ...], args: Any):
         self.roots = roots
@@ -108,9 +108,52 @@ class Call:
                 self.a_statics = statics
             except TypeError:  # unhashable static leaves are keyed by identity
                 self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
-        self.a_uniq, self.a_slots = uniq(arrays)
+        self.groups = _groups(program, a_def, self.a_statics)
+        self.a_uniq, self.a_slots = uniq_in_groups(arrays, self.groups)
         typed = None if self.a_statics is None else value_key(self.a_statics)
         self.key = (program, options, root_keys(roots), self.a_def, typed, self.a_slots)
+
+
+_GROUPS: dict[Any, tuple[int, ...]] = {}
+
+
+def _groups(program: str, a_def: Any, statics: tuple[Any, ...] | None) -> tuple[int, ...] | None:
+    """For a gradient program: the positional argument each array leaf belongs to.
+
+    An array passed as two arguments is two inputs, each differentiated on its
+    own (as `jax.grad` with several `argnums`); within one argument it is a tied
+    weight. `tg.jit` keeps one input per array object.
+    """
+    if program == CALL:
+        return None
+    key = (a_def, statics is None)
+    groups = _GROUPS.get(key)
+    if groups is None:
+        per_leaf = [g for g, child in enumerate(a_def.children()) for _ in range(child.num_leaves)]
+        if statics is not None:
+            per_leaf = [g for g, st in zip(per_leaf, statics, strict=True) if st is DYN]
+        if len(_GROUPS) >= 4 * MAX_ENTRIES:
+            _GROUPS.clear()
+        groups = _GROUPS[key] = tuple(per_leaf)
+    return groups
+
+
+def uniq_in_groups(
+    xs: list[Any], groups: tuple[int, ...] | None
+) -> tuple[list[Any], tuple[int, ...] | None]:
+    """`uniq`, with an object repeated in two groups kept once per group."""
+    out, slots = uniq(xs)
+    if slots is None or groups is None or len(set(groups)) < 2:
+        return out, slots
+    first: dict[tuple[int, int], int] = {}
+    out = []
+    new: list[int] = []
+    for x, g in zip(xs, groups, strict=True):
+        k = first.setdefault((g, id(x)), len(out))
+        if k == len(out):
+            out.append(x)
+        new.append(k)
+    return out, (None if len(out) == len(xs) else tuple(new))
 
 
 def root_keys(roots: tuple[Any, ...]) -> Any:
@@ -590,10 +633,10 @@ def execute(
     if recent is not None:
         # The arguments' structure seen last with this function, read by generated
         # code: the same structure and ties give the same cache key.
-        shape, slots, last = recent
+        shape, slots, last, groups = recent
         leaves = shape.flatten(args)
         if leaves is not None:
-            a_uniq, a_slots = uniq(leaves)
+            a_uniq, a_slots = uniq_in_groups(leaves, groups)
             if a_slots == slots:
                 hit = _lookup(last, roots, a_uniq, params)
                 if hit is not None:
@@ -665,7 +708,7 @@ def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
         _RECENT.clear()
     # An emptied bucket is dropped from the cache; the one held here then stays
     # empty, so the fast path misses and the slow path files the new one.
-    _RECENT[recent_key] = (shape, call.a_slots, bucket)
+    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups)
 
 
 def _warn_hidden(entry: Entry, f: Any) -> None:
@@ -699,6 +742,7 @@ def clear_cache() -> None:
     _WARNED.clear()
     _RECENT.clear()
     _SHAPES.clear()
+    _GROUPS.clear()
     G.clear()
     for memo in MEMOS:
         memo.clear()
