@@ -608,8 +608,10 @@ MAX_ENTRIES = 128
 _CACHE: dict[Any, list[Entry]] = {}
 _LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
 _WARNED: set[Any] = set()
-# Per function (and program, options): the last arguments' structure and its bucket.
-_RECENT: dict[Any, tuple[Shape, tuple[int, ...] | None, list[Entry], tuple[int, ...] | None]] = {}
+# Per function (and program, options): the last arguments' structure, its ties, its
+# bucket and its argument groups (`_groups`).
+_Slots = tuple[int, ...] | None
+_RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots]] = {}
 _SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
 MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES]
