@@ -470,6 +470,7 @@ def _loss_factory(use):
     return loss
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(trees())
 def test_random_trees_explicit_equals_jax_grad(case):

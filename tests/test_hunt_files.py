@@ -106,6 +106,7 @@ RULES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RULES))
 def test_optimiser_states_round_trip_and_training_continues_identically(tmp_path, name):
     rule = RULES[name]()

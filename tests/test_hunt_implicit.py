@@ -91,6 +91,7 @@ def test_remove_then_add_back_through_a_container(wrap):
     close(grads[W], 2 * W)
 
 
+@pytest.mark.slow  # many tries for an id to be reused: ~8 s
 def test_removed_parameters_id_is_not_inherited_by_a_new_array():
     # Without id reuse a new array put in the container *is* a parameter:
     d = {"w": jnp.ones(3), "b": jnp.zeros(2)}

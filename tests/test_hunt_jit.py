@@ -368,6 +368,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_implicit_step_equals_uncompiled_and_compiled_explicit(case):
     build, rule, loss = CASES[case]

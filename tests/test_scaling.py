@@ -191,6 +191,8 @@ def test_train_with_a_mesh_equals_plain_optax(mesh):
 # ------------------------------------------------------ 8 devices, 2 processes
 
 
+# ~29 s on a 2-core machine (8 devices in a subprocess): in CI's slow run.
+@pytest.mark.slow
 def test_on_eight_devices():
     """Data, 2x4 model and fully sharded training in every style (tests/scaling_mesh.py),
     and the examples of docs/scaling.md, on 8 devices."""
