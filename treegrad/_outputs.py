@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._fasttree import TAKE, Shape
+from ._params import Grads
 from ._tree import unique_by_id
 
 
@@ -119,8 +120,21 @@ def split_output(out: Any) -> tuple[list[Any], _Aux]:
             arrays.append(leaf)
             statics.append(DYN)
         else:
+            if type(leaf) is Grads:
+                raise _grads_out()
             statics.append(leaf)
     return arrays, _Aux(treedef, tuple(statics))
+
+
+def _grads_out() -> TypeError:
+    # A Grads is keyed by the parameter arrays themselves, which are traced inside a
+    # compiled function: carried out as static data it would hold tracers.
+    return TypeError(
+        "tg.jit: the compiled function returns a tg.Grads, which is keyed by the parameter "
+        "arrays themselves, traced inside the function. Return grads.to_tree(model) (the "
+        "explicit gradient tree) or grads.named() instead, or apply the step inside the "
+        "compiled function with tg.update_(state, ps, grads)."
+    )
 
 
 def split_unique(out: Any) -> tuple[list[Any], _Aux]:
