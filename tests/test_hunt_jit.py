@@ -604,12 +604,7 @@ def test_per_example_gradients_implicit_under_vmap_and_tg_jit():
     assert_close_trees(jax.jit(jax.vmap(per_example))(X, Y), ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: tg.jit(jax.vmap(f)) re-traces every call; its RetraceWarning advises holding "
-    "the arrays in a Module or closure, which f already does",
-)
-def test_bug_tg_jit_of_a_vmapped_function_warns_and_retraces():
+def test_tg_jit_of_a_vmapped_function_is_cached_and_fresh():
     model = make()
     ps = tg.params(model)
 
@@ -617,9 +612,14 @@ def test_bug_tg_jit_of_a_vmapped_function_warns_and_retraces():
         return tg.gradient(lambda: one_loss(model, x, y), ps).to_tree(model)
 
     f = tg.jit(jax.vmap(per_example))
+    ref = lambda: jax.vmap(jax.grad(one_loss), in_axes=(None, 0, 0))(model, X, Y)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # RetraceWarning: "cannot cache per_example ..."
-        f(X, Y)
+        warnings.simplefilter("error")  # no RetraceWarning: vmap's wrapped function is seen
+        assert_close_trees(f(X, Y), ref())
+        model[0].weight = model[0].weight * 2  # read fresh through vmap's wrapper
+        assert_close_trees(f(X, Y), ref())
+        g = lambda x, y: jax.tree_util.tree_map(jnp.sum, jax.vmap(per_example)(x, y))
+        assert_close_trees(tg.jit(g)(X, Y), jax.tree_util.tree_map(jnp.sum, ref()))
 
 
 def test_second_order_implicit_under_tg_jit_equals_jax_grad_of_grad():

@@ -192,7 +192,13 @@ class Walk:
             )
             return mapping
         if t is types.FunctionType:
-            return Same(value) if _is_library(value) else self._function(value, path)
+            if not _is_library(value):
+                return self._function(value, path)
+            # A library wrapper of a user function (jax.vmap, jax.grad, a functools.wraps
+            # decorator): the wrapper by identity, and what the wrapped function reads
+            # as a root of its own, so its captured arrays are inputs.
+            self.fixed(getattr(value, "__wrapped__", None))
+            return Same(value)
         if t is types.MethodType:
             method = self._memo(value, Method(Unchecked(), Unchecked()))
             method.self_ = self.node(value.__self__, f"{path}.__self__")
@@ -241,6 +247,12 @@ class Walk:
         return Same(value)
 
     def _function(self, fn: types.FunctionType, path: str) -> Func:
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is not None and inner is not fn:
+            # A wrapper (jax.vmap's, to which functools.wraps gives the user's
+            # __module__): the function it wraps may be reached only through library
+            # objects (vmap's own closure); guard it as a root of its own.
+            self.fixed(inner)
         info = code_info(fn.__code__)
         self.attr_names.update(info.attrs)
         node = self._memo(fn, Func(fn.__code__, id(fn.__globals__)))
