@@ -277,6 +277,10 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
         jacs, (y, written) = jax.jacrev(y_of, argnums=tuple(range(len(active))), has_aux=True)(
             *[dyn[i] for i in active]
         )
+        if not jnp.iscomplexobj(y):
+            # A real output: each row is the gradient of one component, in
+            # tg.gradient's convention for complex inputs (steepest ascent).
+            jacs = tuple(map(conj, jacs))
     else:
         _, (y, written) = y_of()
         jacs = ()
