@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import treegrad as tg
 from treegrad import nn
@@ -46,3 +47,26 @@ def finite_difference(f, x, eps=1e-3):
         e[i] = eps
         g[i] = (f(x + e) - f(x - e)) / (2 * eps)
     return g
+
+
+def _masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+
+def restore_own_entries(rule, old, new, skip):
+    """Plain optax state `new`, with the per-parameter entries of skipped parameters
+    taken from `old` (shared entries, e.g. `count`, stay new)."""
+    marks = optax.tree_map_params(
+        rule,
+        lambda x, s: x if _masked(x) else s,
+        new,
+        skip,
+        transform_non_params=lambda v: jax.tree_util.tree_map(lambda _: False, v),
+        is_leaf=_masked,
+    )
+    marks = jax.tree_util.tree_leaves(marks)
+    new_leaves, treedef = jax.tree_util.tree_flatten(new)
+    old_leaves = jax.tree_util.tree_leaves(old)
+    assert len(marks) == len(new_leaves)
+    merged = [o if m else n for m, n, o in zip(marks, new_leaves, old_leaves, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, merged)

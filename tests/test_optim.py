@@ -18,7 +18,7 @@ import pytest
 import treegrad as tg
 from treegrad import _optstep, nn
 
-from .helpers import MLP, assert_trees_close, mse
+from .helpers import MLP, assert_trees_close, mse, restore_own_entries
 
 
 def make_net(key):
@@ -94,23 +94,10 @@ def reference_step(rule, opt_state, params, grads, skipped):
     new_params = jax.tree_util.tree_map(
         lambda s, new, old: old if s else new, skip, new_params, params
     )
-    masked = lambda x: isinstance(x, optax.MaskedNode)
     try:
-        marks = optax.tree_map_params(
-            rule,
-            lambda x, s: x if masked(x) else s,
-            new_state,
-            skip,
-            transform_non_params=lambda v: jax.tree_util.tree_map(lambda _: False, v),
-            is_leaf=masked,
-        )
+        return new_params, restore_own_entries(rule, opt_state, new_state, skip)
     except ValueError:  # optax.flatten: its state is one vector, nothing per parameter
         return new_params, new_state
-    marks = jax.tree_util.tree_leaves(marks)
-    new_leaves, treedef = jax.tree_util.tree_flatten(new_state)
-    old_leaves = jax.tree_util.tree_leaves(opt_state)
-    restored = [o if m else n for m, n, o in zip(marks, new_leaves, old_leaves, strict=True)]
-    return new_params, jax.tree_util.tree_unflatten(treedef, restored)
 
 
 def run_reference(make_rule, steps=10):
