@@ -115,6 +115,19 @@ def test_same_array_in_two_arguments_and_tied_inside_one_in_every_transform():
     np.testing.assert_allclose(jt["u"], jnp.diag(X3), rtol=1e-6)  # a is another input
 
 
+def test_argument_groups_follow_where_the_arrays_are_in_each_call():
+    # The same structure ([_, _], _) holding the array twice in one argument (tied),
+    # then once in each argument (two inputs): each call gets its own grouping.
+    f = lambda a, b: jnp.sum(a[0] * 2.0) + jnp.sum(jnp.asarray(a[1]) * jnp.asarray(b))
+    (g1, h1) = tg.gradient(f, [X3, X3], 2.0)
+    np.testing.assert_allclose(g1[0], 2.0 + 2.0 + 0 * X3)  # tied: total at the first place
+    assert g1[1] is None and h1 is None
+    (g2, h2) = tg.gradient(f, [X3, 2.0], X3)
+    np.testing.assert_allclose(g2[0], 2.0 + 0 * X3)  # X3 in `a` only through a[0]
+    np.testing.assert_allclose(h2, 2.0 + 0 * X3)  # and in `b`, its own input
+    assert g2[1] is None
+
+
 def test_hessian_same_array_two_arguments_is_per_argument():
     f = lambda a, b: jnp.sum(a**3) + jnp.sum(b**2)
     got = tg.hessian(f, X3, X3)

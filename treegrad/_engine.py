@@ -2,7 +2,7 @@
 
 A call goes through four named steps:
 
-1. `Call`: the arguments are flattened once; array leaves are inputs, the
+1. `Call` (`_call.py`): the arguments are flattened once; array leaves are inputs, the
    treedef and the other leaves key the cache, with the function's code.
    A function called again with arguments of the structure it had last skips
    this: that structure is kept as generated code (`_fasttree.Shape`, filed
@@ -31,7 +31,6 @@ references; the program holds what jax compiled.
 from __future__ import annotations
 
 import collections
-import functools
 import operator
 import types
 import warnings
@@ -42,6 +41,7 @@ import jax
 
 from . import _guard as G
 from . import _jaxpr
+from ._call import _GROUPS, DTYPE, Call, links, picker, root_keys, uniq_in_groups
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
 from ._outputs import DYN, Packed, Written, _Aux, expand, split_unique, uniq
@@ -49,7 +49,7 @@ from ._paths import _LAST, _SETTERS
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
-from ._tree import describe_leaf, is_inexact, user_stacklevel, value_key
+from ._tree import describe_leaf, is_inexact, user_stacklevel
 from ._walk import _SLOT_NAMES, Walk, describe, node_types
 
 
@@ -69,103 +69,6 @@ class RetraceWarning(UserWarning):
         >>> caught[0].category is tg.RetraceWarning
         True
     """
-
-
-# --- step 1: the call ---------------------------------------------------------
-
-
-def root_key(f: Any) -> Any:
-    """What a function's cache entries are filed under: its code, for a function."""
-    t = type(f)
-    if t is types.FunctionType:
-        return f.__code__
-    if t is types.MethodType:
-        return ("method", root_key(f.__func__), type(f.__self__))
-    if t is G._JITTED_TYPE:
-        return ("jit", root_key(getattr(f, "__wrapped__", None)))
-    if isinstance(f, functools.partial):
-        return ("partial", root_key(f.func))
-    return t
-
-
-class Call:
-    """The roots (the function, and for `tg.jit` callable arguments) and the flat arguments."""
-
-    __slots__ = ("a_def", "a_slots", "a_statics", "a_uniq", "groups", "key", "roots")
-
-    def __init__(self, program: str, options: Any, roots: tuple[Any, ...], args: Any):
-        self.roots = roots
-        leaves, a_def = jax.tree_util.tree_flatten(args)
-        self.a_def: Any = a_def  # jaxlib's stub lacks PyTreeDef's children and num_leaves
-        if G._ARRAY_TYPES.issuperset(map(type, leaves)) or all(map(G.is_array, leaves)):
-            arrays = leaves
-            self.a_statics: Any = None
-        else:
-            arrays = [x for x in leaves if G.is_array(x)]
-            statics = tuple(DYN if G.is_array(x) else x for x in leaves)
-            try:
-                hash(statics)
-                self.a_statics = statics
-            except TypeError:  # unhashable static leaves are keyed by identity
-                self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
-        self.groups = _groups(program, a_def, self.a_statics)
-        self.a_uniq, self.a_slots = uniq_in_groups(arrays, self.groups)
-        typed = None if self.a_statics is None else value_key(self.a_statics)
-        self.key = (program, options, root_keys(roots), self.a_def, typed, self.a_slots)
-
-
-_GROUPS: dict[Any, tuple[int, ...]] = {}
-
-
-def _groups(program: str, a_def: Any, statics: tuple[Any, ...] | None) -> tuple[int, ...] | None:
-    """For a gradient program: the positional argument each array leaf belongs to.
-
-    An array passed as two arguments is two inputs, each differentiated on its
-    own (as `jax.grad` with several `argnums`); within one argument it is a tied
-    weight. `tg.jit` keeps one input per array object.
-    """
-    if program == CALL:
-        return None
-    key = (a_def, statics is None)
-    groups = _GROUPS.get(key)
-    if groups is None:
-        per_leaf = [g for g, child in enumerate(a_def.children()) for _ in range(child.num_leaves)]
-        if statics is not None:
-            per_leaf = [g for g, st in zip(per_leaf, statics, strict=True) if st is DYN]
-        if len(_GROUPS) >= 4 * MAX_ENTRIES:
-            _GROUPS.clear()
-        groups = _GROUPS[key] = tuple(per_leaf)
-    return groups
-
-
-def uniq_in_groups(
-    xs: list[Any], groups: tuple[int, ...] | None
-) -> tuple[list[Any], tuple[int, ...] | None]:
-    """`uniq`, with an object repeated in two groups kept once per group."""
-    out, slots = uniq(xs)
-    if slots is None or groups is None or len(set(groups)) < 2:
-        return out, slots
-    first: dict[tuple[int, int], int] = {}
-    out = []
-    new: list[int] = []
-    for x, g in zip(xs, groups, strict=True):
-        k = first.setdefault((g, id(x)), len(out))
-        if k == len(out):
-            out.append(x)
-        new.append(k)
-    return out, (None if len(out) == len(xs) else tuple(new))
-
-
-def root_keys(roots: tuple[Any, ...]) -> Any:
-    return tuple(map(root_key, roots)) if len(roots) > 1 else root_key(roots[0])
-
-
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
 
 
 # --- step 3: one compiled program per entry ----------------------------------------
@@ -222,7 +125,7 @@ class Entry:
         self.active: tuple[int, ...] = ()
         # `tg.jit`: for each argument array, the closure array it is (or -1); None: none.
         self.a_links: tuple[int, ...] | None = None
-        self._pick_wrt: Callable[[Sequence[Any]], Sequence[Any]] = _picker(())
+        self._pick_wrt: Callable[[Sequence[Any]], Sequence[Any]] = picker(())
         self._wrt_dtypes: tuple[Any, ...] = ()
         self._wrt_kinds: tuple[bool, ...] = ()
         self._donate_fn = donate
@@ -248,15 +151,15 @@ class Entry:
             self.wrt = tuple(range(self.n_cl, len(dyn)))
         self.active = tuple(i for i in self.wrt if is_inexact(dyn[i].dtype))
         if self.program == CALL:
-            self.a_links = _links(cl_uniq, a_uniq)
-        self._pick_wrt = _picker(self.wrt)
+            self.a_links = links(cl_uniq, a_uniq)
+        self._pick_wrt = picker(self.wrt)
         self._wrt_dtypes = self._dtypes(dyn)
         self._wrt_kinds = tuple(map(is_inexact, self._wrt_dtypes))
         self._build()
         return dyn
 
     def _dtypes(self, dyn: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(map(_DTYPE, self._pick_wrt(dyn)))
+        return tuple(map(DTYPE, self._pick_wrt(dyn)))
 
     def fits(self, dyn: list[Any]) -> bool:
         """Whether these inputs are differentiable at the places the first call's were,
@@ -267,7 +170,7 @@ class Entry:
         array where a float one was (or back) needs an entry of its own.
         """
         if self.program == CALL:
-            return _links(dyn[: self.n_cl], dyn[self.n_cl :]) == self.a_links
+            return links(dyn[: self.n_cl], dyn[self.n_cl :]) == self.a_links
         dtypes = self._dtypes(dyn)
         if dtypes == self._wrt_dtypes:  # the usual case: compared by identity, in C
             return True
@@ -557,28 +460,6 @@ class Entry:
         return tuple(groups)
 
 
-_DTYPE = operator.attrgetter("dtype")
-
-
-def _links(cl_uniq: list[Any], a_uniq: list[Any]) -> tuple[int, ...] | None:
-    """For each argument array, the position of the same object among the closure's
-    arrays (-1 if none); None when they share none (checked in C on every call)."""
-    if not cl_uniq or not a_uniq or set(map(id, a_uniq)).isdisjoint(map(id, cl_uniq)):
-        return None
-    where = {id(x): k for k, x in enumerate(cl_uniq)}
-    return tuple(where.get(id(a), -1) for a in a_uniq)
-
-
-def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
-    """`lambda xs: [xs[i] for i in positions]`, in C."""
-    if not positions:
-        return lambda xs: ()
-    if len(positions) == 1:
-        (i,) = positions
-        return lambda xs: (xs[i],)
-    return operator.itemgetter(*positions)
-
-
 def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:
     index = {id(a): i for i, a in enumerate(cl_uniq)}
     return tuple(index.get(id(p), -1) for p in params)
@@ -609,7 +490,7 @@ _CACHE: dict[Any, list[Entry]] = {}
 _LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
 _WARNED: set[Any] = set()
 # Per function (and program, options): the last arguments' structure, its ties, its
-# bucket and its argument groups (`_groups`).
+# bucket and its argument groups (`_call._groups`).
 _Slots = tuple[int, ...] | None
 _RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots]] = {}
 _SHAPES: dict[Any, Shape] = {}

@@ -1,0 +1,140 @@
+"""Step 1 of the engine (`_engine`): a call's arguments as program inputs.
+
+`Call` flattens the arguments once: array leaves are inputs (each object once,
+`uniq`; for a gradient, once per positional argument: `_groups`), the treedef
+and the other leaves key the cache, with the function's code (`root_key`).
+`links` says which argument arrays a `tg.jit` function also captures.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from . import _guard as G
+from ._outputs import DYN, uniq
+from ._programs import CALL
+from ._tree import value_key
+
+_MEMO_BOUND = 512
+
+
+def root_key(f: Any) -> Any:
+    """What a function's cache entries are filed under: its code, for a function."""
+    t = type(f)
+    if t is types.FunctionType:
+        return f.__code__
+    if t is types.MethodType:
+        return ("method", root_key(f.__func__), type(f.__self__))
+    if t is G._JITTED_TYPE:
+        return ("jit", root_key(getattr(f, "__wrapped__", None)))
+    if isinstance(f, functools.partial):
+        return ("partial", root_key(f.func))
+    return t
+
+
+class Call:
+    """The roots (the function, and for `tg.jit` callable arguments) and the flat arguments."""
+
+    __slots__ = ("a_def", "a_slots", "a_statics", "a_uniq", "groups", "key", "roots")
+
+    def __init__(self, program: str, options: Any, roots: tuple[Any, ...], args: Any):
+        self.roots = roots
+        leaves, a_def = jax.tree_util.tree_flatten(args)
+        self.a_def: Any = a_def  # jaxlib's stub lacks PyTreeDef's children and num_leaves
+        if G._ARRAY_TYPES.issuperset(map(type, leaves)) or all(map(G.is_array, leaves)):
+            arrays = leaves
+            self.a_statics: Any = None
+        else:
+            arrays = [x for x in leaves if G.is_array(x)]
+            statics = tuple(DYN if G.is_array(x) else x for x in leaves)
+            try:
+                hash(statics)
+                self.a_statics = statics
+            except TypeError:  # unhashable static leaves are keyed by identity
+                self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
+        self.groups = _groups(program, a_def, self.a_statics)
+        self.a_uniq, self.a_slots = uniq_in_groups(arrays, self.groups)
+        typed = None if self.a_statics is None else value_key(self.a_statics)
+        self.key = (program, options, root_keys(roots), self.a_def, typed, self.a_slots)
+
+
+_GROUPS: dict[Any, tuple[int, ...]] = {}
+
+
+def _groups(program: str, a_def: Any, statics: tuple[Any, ...] | None) -> tuple[int, ...] | None:
+    """For a gradient program: the positional argument each array leaf belongs to.
+
+    An array passed as two arguments is two inputs, each differentiated on its
+    own (as `jax.grad` with several `argnums`); within one argument it is a tied
+    weight. `tg.jit` keeps one input per array object.
+    """
+    if program == CALL:
+        return None
+    key = (a_def, None if statics is None else tuple(st is DYN for st in statics))
+    groups = _GROUPS.get(key)
+    if groups is None:
+        per_leaf = [g for g, child in enumerate(a_def.children()) for _ in range(child.num_leaves)]
+        if statics is not None:
+            per_leaf = [g for g, st in zip(per_leaf, statics, strict=True) if st is DYN]
+        if len(_GROUPS) >= _MEMO_BOUND:
+            _GROUPS.clear()
+        groups = _GROUPS[key] = tuple(per_leaf)
+    return groups
+
+
+def uniq_in_groups(
+    xs: list[Any], groups: tuple[int, ...] | None
+) -> tuple[list[Any], tuple[int, ...] | None]:
+    """`uniq`, with an object repeated in two groups kept once per group."""
+    out, slots = uniq(xs)
+    if slots is None or groups is None or len(set(groups)) < 2:
+        return out, slots
+    first: dict[tuple[int, int], int] = {}
+    out = []
+    new: list[int] = []
+    for x, g in zip(xs, groups, strict=True):
+        k = first.setdefault((g, id(x)), len(out))
+        if k == len(out):
+            out.append(x)
+        new.append(k)
+    return out, (None if len(out) == len(xs) else tuple(new))
+
+
+def root_keys(roots: tuple[Any, ...]) -> Any:
+    return tuple(map(root_key, roots)) if len(roots) > 1 else root_key(roots[0])
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+DTYPE = operator.attrgetter("dtype")
+
+
+def links(cl_uniq: list[Any], a_uniq: list[Any]) -> tuple[int, ...] | None:
+    """For each argument array, the position of the same object among the closure's
+    arrays (-1 if none); None when they share none (checked in C on every call)."""
+    if not cl_uniq or not a_uniq or set(map(id, a_uniq)).isdisjoint(map(id, cl_uniq)):
+        return None
+    where = {id(x): k for k, x in enumerate(cl_uniq)}
+    return tuple(where.get(id(a), -1) for a in a_uniq)
+
+
+def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """`lambda xs: [xs[i] for i in positions]`, in C."""
+    if not positions:
+        return lambda xs: ()
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda xs: (xs[i],)
+    return operator.itemgetter(*positions)
