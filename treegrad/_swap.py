@@ -379,10 +379,10 @@ class Settle:
             return node
         if isinstance(node, Tree):
             leaves, treedef = jax.tree_util.tree_flatten(v)
-            if treedef != node.treedef and (
-                _key_paths(treedef) is None or _key_paths(treedef) != _key_paths(node.treedef)
-            ):
-                return self._demote(node, v)
+            if treedef != node.treedef:
+                paths = _key_paths(treedef)
+                if paths is None or paths != _key_paths(node.treedef):
+                    return self._demote(node, v)
             # The same places (perhaps a static attribute the function changed, a
             # counter): arrays it rebound are written back. The node keeps the old
             # structure, so the next call fails its guard and traces again, reading
