@@ -52,16 +52,27 @@ class Call:
             self.a_statics: Any = None
         else:
             arrays = [x for x in leaves if G.is_array(x)]
-            statics = tuple(DYN if G.is_array(x) else x for x in leaves)
-            try:
-                hash(statics)
-                self.a_statics = statics
-            except TypeError:  # unhashable static leaves are keyed by identity
-                self.a_statics = tuple(s if _hashable(s) else ("<id>", id(s)) for s in statics)
+            # The values themselves, which the traced function receives; the key
+            # holds a hashable stand-in for an unhashable one (a set, a dataclass).
+            self.a_statics = tuple(DYN if G.is_array(x) else x for x in leaves)
         self.groups = _groups(program, a_def, self.a_statics)
         self.a_uniq, self.a_slots = uniq_in_groups(arrays, self.groups)
-        typed = None if self.a_statics is None else value_key(self.a_statics)
+        typed = None if self.a_statics is None else _static_key(self.a_statics)
         self.key = (program, options, root_keys(roots), self.a_def, typed, self.a_slots)
+
+
+def _static_key(statics: tuple[Any, ...]) -> Any:
+    try:
+        hash(statics)
+        return value_key(statics)
+    except TypeError:
+        return tuple(value_key(s) if _hashable(s) else _unhashable_key(s) for s in statics)
+
+
+def _unhashable_key(s: Any) -> Any:
+    """An unhashable static leaf: by identity and by its text, so that an edit in
+    place (a set gaining an element) traces again; never stale, perhaps retraced."""
+    return ("<unhashable>", type(s), id(s), repr(s))
 
 
 _GROUPS: dict[Any, tuple[int, ...]] = {}

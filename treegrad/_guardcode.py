@@ -41,6 +41,7 @@ from ._guard import (
     Unchecked,
     is_array,
 )
+from ._tree import is_float_like
 
 
 class Guard(CodeGen):
@@ -191,10 +192,10 @@ class Guard(CodeGen):
             self._fail_unless(d, f"{v} is {value!r}")
         elif isinstance(value, float) and value != value:
             self._fail_unless(d, f"type({v}) is float and {v} != {v}")
-        elif type(value) in (float, complex) and (value == 0 or type(value) is complex):
+        elif is_float_like(value) and (value == 0 or type(value) is not float):
             # == takes -0.0 for 0.0 (1 / x differs): compare the text, which keeps them apart.
-            k = self._k(repr(value))
-            self._fail_unless(d, f"type({v}) is {type(value).__name__} and repr({v}) == {k}")
+            t, k = self._k(type(value)), self._k(repr(value))
+            self._fail_unless(d, f"type({v}) is {t} and repr({v}) == {k}")
         else:
             k = self._k(value)
             self._fail_unless(d, f"{v} is {k} or (type({v}) is type({k}) and {v} == {k})")

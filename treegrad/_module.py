@@ -49,12 +49,16 @@ def _kind(t: type, value: Any) -> int:
             kind = 1
         elif issubclass(t, (list, tuple, dict)):
             kind = 2  # NamedTuples and other container subclasses
-        elif callable(value) or isinstance(value, type):
-            kind = 0
+        elif isinstance(value, type) or (callable(value) and _is_leaf(value)):
+            kind = 0  # functions; a callable pytree (an equinox layer) is decided below
         else:
             return 3  # foreign pytrees: decided by their leaves, not memoised
         _KIND[t] = kind
     return kind
+
+
+def _is_leaf(value: Any) -> bool:
+    return jax.tree_util.all_leaves([value])
 
 
 def holds_arrays(value: Any) -> bool:
@@ -334,7 +338,12 @@ _AUX_SLOT: Any = Module.__dict__["_tg_aux"]
 def _forget_split(module: Module, name: str) -> None:
     """Drop the cached split after `name` was assigned or deleted."""
     # A Module never flattened (one in its __init__) has nothing to remember.
-    aux = getattr(module, "_tg_aux", None)
+    # Through the slot: a user's __getattr__ (forwarding to a wrapped model) must not
+    # run for it, before that model is assigned.
+    try:
+        aux = _AUX_SLOT.__get__(module)
+    except AttributeError:
+        aux = None
     if type(aux) is _Static:
         aux = _Edited(aux.names, (name,))
     elif aux is not None and name not in aux.assigned:

@@ -185,12 +185,18 @@ def picker(index: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
     return lambda xs: list(get(xs))
 
 
+def is_float_like(x: Any) -> bool:
+    """A Python or numpy float or complex scalar: `==` takes -0.0 for 0.0 there."""
+    t = type(x)
+    return t is float or t is complex or isinstance(x, (np.floating, np.complexfloating))
+
+
 def value_key(x: Any) -> Any:
     """A key equal for two static values only when a program traced with one is right
     for the other: `==` alone takes `1` for `1.0` and `True` (which trace to other
     dtypes) and `0.0` for `-0.0` (`1 / x` differs). Tuples are keyed item by item."""
     t = type(x)
-    if t is float or t is complex:
+    if is_float_like(x):
         return (t, repr(x))  # repr tells -0.0 from 0.0, and keeps nan equal to nan
     if t is tuple:
         return (t, tuple(map(value_key, x)))
@@ -201,7 +207,7 @@ def same_value(a: Any, b: Any) -> bool:
     """`a == b` for static data, with `value_key`'s distinctions."""
     if type(a) is not type(b):
         return False
-    if type(a) is float or type(a) is complex:
+    if is_float_like(a):
         return repr(a) == repr(b)
     return bool(a == b)
 
