@@ -747,38 +747,30 @@ def test_bug_slots_subclass_works_or_is_refused_clearly():
     close(g.w, [2.0, 4.0])
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: __trainable__ = ('wb') (a string) is iterated character by character"
-)
-def test_bug_trainable_given_as_a_string():
-    try:
+def test_trainable_given_as_a_string_is_refused_at_definition():
+    # ("wb") is the string "wb": read as names, it would train w and b instead of wb.
+    with pytest.raises(
+        TypeError,
+        match=r"T.__trainable__ must be a tuple of attribute names, "
+        r"got 'wb'; write \('wb',\) for one name",
+    ):
 
         class T(tg.Module):
             __trainable__ = "wb"
 
-            def __init__(self):
-                self.w = jnp.ones(2)
-                self.b = jnp.ones(2)
-                self.wb = jnp.ones(2)
 
-    except TypeError as e:
-        assert "__trainable__" in str(e)
-        return
-    assert list(tg.params(T()).named()) == ["wb"]  # today: ['w', 'b'], silently
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a __trainable__ typo is reported as 'cast to a floating dtype', not by name",
-)
-def test_bug_trainable_typo_error_names_the_attribute():
+def test_trainable_typo_error_names_the_attribute():
     class T(tg.Module):
         __trainable__ = ("weigth",)
 
         def __init__(self):
             self.weight = jnp.ones(2)
 
-    with pytest.raises(ValueError, match=r"weigth"):
+    with pytest.raises(
+        ValueError,
+        match=r"tg.params: T.__trainable__ names 'weigth', which the T does not have "
+        r"\(its attributes: weight\)",
+    ):
         tg.params(T())
 
 

@@ -323,6 +323,18 @@ class Module:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        names = cls.__dict__.get("__trainable__")
+        if names is not None and (
+            isinstance(names, str) or not all(isinstance(n, str) for n in names)
+        ):
+            # ("wb") is the string "wb", which would be read as the names "w" and "b".
+            raise TypeError(
+                f"{cls.__name__}.__trainable__ must be a tuple of attribute names, got "
+                f"{names!r}; write ({names!r},) for one name."
+                if isinstance(names, str)
+                else f"{cls.__name__}.__trainable__ must hold attribute names (strings), "
+                f"got {names!r}."
+            )
         jax.tree_util.register_pytree_with_keys(
             cls, _flatten_with_keys, _make_unflatten(cls), flatten_func=_flatten
         )

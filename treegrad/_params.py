@@ -62,6 +62,21 @@ def _restricted(node: Any) -> bool:
     return isinstance(node, Module) and type(node).__trainable__ is not None
 
 
+def _missing_trainable(tree: Any) -> tuple[str, str, list[str]] | None:
+    """The first Module in `tree` whose `__trainable__` names an attribute it lacks."""
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=_restricted):
+        if _restricted(node):
+            for name in type(node).__trainable__ or ():
+                if name not in node.__dict__:
+                    return type(node).__name__, name, list(node.__dict__)
+            found = _missing_trainable(
+                [node.__dict__[n] for n in type(node).__trainable__ or () if n in node.__dict__]
+            )
+            if found:
+                return found
+    return None
+
+
 def trainable_leaves_with_path(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
     """(path, leaf) for every leaf the optimiser may train, respecting `__trainable__`."""
     out: list[tuple[tuple[Any, ...], Any]] = []
@@ -294,6 +309,14 @@ def _checked_source(xs: Any, api: str) -> Any:
             for p, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]
             if isinstance(leaf, (jax.Array, np.ndarray))
         ]
+        missing = _missing_trainable(xs)
+        if missing:
+            cls, name, have = missing
+            raise ValueError(
+                f"{api}: {cls}.__trainable__ names {name!r}, which the {cls} does not have "
+                f"(its attributes: {', '.join(have) or 'none'}); so nothing is trainable. "
+                "Check the spelling."
+            )
         if arrays:
             what = ", ".join(f"'{n}' is {describe_leaf(a)}" for n, a in arrays[:3])
             raise ValueError(
