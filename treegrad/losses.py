@@ -139,10 +139,11 @@ def logitcrossentropy(logits: Any, y: Any) -> Any:
     return _logitcrossentropy("tg.losses.logitcrossentropy", "logits", logits, y)
 
 
-def _logitcrossentropy(api: str, what: str, logits: Any, y: Any) -> Any:
-    _array(api, what, logits)
+def _integer_labels(api: str, what: str, x: Any, y: Any) -> bool:
+    """Check `y` against `x` (classes on the last axis): integer labels, or targets."""
+    _array(api, what, x)
     _array(api, "y", y)
-    shape, ys = np.shape(logits), np.shape(y)
+    shape, ys = np.shape(x), np.shape(y)
     if jnp.issubdtype(jnp.asarray(y).dtype, jnp.integer):
         if ys != shape[:-1]:
             raise ValueError(
@@ -150,13 +151,19 @@ def _logitcrossentropy(api: str, what: str, logits: Any, y: Any) -> Any:
                 f"give one class index per row, shape {shape[:-1]} "
                 f"(e.g. y.reshape({shape[:-1]}))."
             )
-        return jnp.mean(optax.losses.softmax_cross_entropy_with_integer_labels(logits, y))
+        return True
     if ys != shape:
         raise ValueError(
             f"{api}: targets y of shape {ys} do not match {what} of shape {shape}; give "
             f"one-hot or probability targets of shape {shape}, or integer labels of shape "
             f"{shape[:-1]}."
         )
+    return False
+
+
+def _logitcrossentropy(api: str, what: str, logits: Any, y: Any) -> Any:
+    if _integer_labels(api, what, logits, y):
+        return jnp.mean(optax.losses.softmax_cross_entropy_with_integer_labels(logits, y))
     return jnp.mean(optax.losses.softmax_cross_entropy(logits, y))
 
 
@@ -176,10 +183,15 @@ def crossentropy(probs: Any, y: Any, eps: float = 1e-7) -> Any:
         >>> round(float(tg.losses.crossentropy(jnp.array([[0.5, 0.5]]), jnp.array([0]))), 4)
         0.6931
     """
-    _array("tg.losses.crossentropy", "probs", probs)
-    return _logitcrossentropy(
-        "tg.losses.crossentropy", "probs", jnp.log(jnp.clip(probs, eps, 1.0)), y
-    )
+    api = "tg.losses.crossentropy"
+    integer = _integer_labels(api, "probs", probs, y)
+    # The probabilities as given (Flux's crossentropy): a softmax of their log would
+    # renormalise them, and the loss of [0.2, 0.2, 0.2] would be log 3, not -log 0.2.
+    logp = jnp.log(jnp.clip(probs, eps, 1.0))
+    if integer:
+        picked = jnp.take_along_axis(logp, jnp.asarray(y)[..., None], axis=-1)[..., 0]
+        return -jnp.mean(picked)
+    return -jnp.mean(jnp.sum(y * logp, axis=-1))
 
 
 def logitbinarycrossentropy(logits: Any, y: Any) -> Any:

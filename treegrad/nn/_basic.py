@@ -198,7 +198,18 @@ class Embedding(Module):
         idx = jnp.asarray(idx)
         if not jnp.issubdtype(idx.dtype, jnp.integer):
             raise TypeError(f"{self}: expected integer indices, got dtype {idx.dtype}")
-        return self.weight[idx]
+        n = self.weight.shape[0]
+        if not isinstance(idx, jax.core.Tracer) and idx.size:
+            values = np.asarray(idx)  # concrete: checked in numpy, nothing traced
+            low, high = int(values.min()), int(values.max())
+            if low < 0 or high >= n:
+                bad = high if high >= n else low
+                raise IndexError(
+                    f"{self}: index {bad} is out of range; indices go from 0 to {n - 1}."
+                )
+        # Traced, the indices cannot be checked here: an index out of range gives a row
+        # of NaN (JAX would clamp it to the last row, a wrong value without a word).
+        return jnp.take(self.weight, idx, axis=0, mode="fill", fill_value=jnp.nan)
 
     def __str__(self) -> str:
         return f"Embedding({self.vocab_size} => {self.features})"
@@ -247,19 +258,25 @@ class Dropout(Module):
         return f"Dropout({self.rate})"
 
 
-def _set_mode(node: Any, training: bool) -> Any:
+def _set_mode(node: Any, training: bool, memo: dict[int, Any] | None = None) -> Any:
+    memo = {} if memo is None else memo
     if isinstance(node, Module):
-        new = object.__new__(type(node))
+        done = memo.get(id(node))
+        if done is not None:  # a layer held at two places stays one object
+            return done
+        new = memo[id(node)] = object.__new__(type(node))
         for k, v in node.__dict__.items():
-            setattr(new, k, training if k == "training" else _set_mode(v, training))
+            setattr(new, k, training if k == "training" else _set_mode(v, training, memo))
         return new
-    if type(node) is list:
-        return [_set_mode(v, training) for v in node]
-    if type(node) is tuple:
-        return tuple(_set_mode(v, training) for v in node)
-    if type(node) is dict:
-        return {k: _set_mode(v, training) for k, v in node.items()}
-    return node
+    if jax.tree_util.all_leaves([node]):
+        return node
+    # Any container JAX sees into (NamedTuples and OrderedDicts too), with the
+    # layers in it switched.
+    return jax.tree_util.tree_map(
+        lambda v: _set_mode(v, training, memo),
+        node,
+        is_leaf=lambda x: x is not node and isinstance(x, Module),
+    )
 
 
 def testmode(model: Any) -> Any:
