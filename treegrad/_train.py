@@ -90,11 +90,18 @@ class StepInfo(NamedTuple):
 def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ...]) -> Any:
     value, (g,) = withgradient(lambda m: loss(m, *batch), model)
     state, model = update(state, model, g)
-    return state, model, value, _finite(g)
+    # The new model too: an update can overflow finite gradients (a learning rate
+    # too large), and that model must not be kept as the last good one.
+    return state, model, value, _finite(g) & _finite(model)
 
 
 def _finite(tree: Any) -> Any:
-    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.array(checks)) if checks else jnp.array(True)
 
 
 def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable[..., Any]:
@@ -107,7 +114,8 @@ def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable
     def step(batch: tuple[Any, ...]) -> Any:
         value, grads = withgradient(lambda: loss(*batch), ps)
         update_(state, ps, grads)
-        return value, _finite([g for g in cast(Grads, grads).values() if g is not None])
+        ok = _finite([g for g in cast(Grads, grads).values() if g is not None])
+        return value, jnp.stack([ok, _finite(list(ps))])  # the updated parameters too
 
     return jit(step)
 
@@ -368,14 +376,20 @@ def _implicit_train_step(
     # The step rebinds the model's arrays and the state in place; the previous
     # arrays are kept (no copy: arrays are immutable) to put back after a bad step.
     before = (ps.arrays(), jax.tree_util.tree_leaves(state))
-    value, grads_ok = step_fn(batch)
-    v, ok = jax.device_get((value, grads_ok))
+    value, flags = step_fn(batch)
+    v, (grads_ok, params_ok) = jax.device_get((value, flags))
     v = float(v)
+    ok = bool(grads_ok and params_ok)
     if not (math.isfinite(v) and ok):
         for old, tree in zip(before, (ps.source, state), strict=True):
             now = ps.arrays() if tree is ps.source else jax.tree_util.tree_leaves(state)
             rebind(tree, {id(n): o for n, o in zip(now, old, strict=True) if n is not o})
-        what = f"the loss is {v}" if not math.isfinite(v) else "a gradient is not finite"
+        if not math.isfinite(v):
+            what = f"the loss is {v}"
+        elif not grads_ok:
+            what = "a gradient is not finite"
+        else:
+            what = "the update made a parameter not finite (lower the learning rate)"
         raise NonFiniteLossError(
             f"tg.train: {what} at epoch {epoch}, step {step}; stopped. The model and state "
             "were put back to the last good step (the error's .model and .state).",
@@ -454,9 +468,16 @@ def _nonfinite(
         fix = "lower the learning rate, or check that batch for NaNs"
     else:
         paths = _nonfinite_gradients(loss, model, batch)
-        where = f" of {', '.join(repr(p) for p in paths[:3])}" if paths else ""
-        what = f"the gradient{where} is not finite (the loss, {v:.4g}, is)"
-        fix = "look for a log, sqrt or division at 0 in the loss, or clip the gradients"
+        if paths:
+            where = ", ".join(repr(p) for p in paths[:3])
+            what = f"the gradient of {where} is not finite (the loss, {v:.4g}, is)"
+            fix = "look for a log, sqrt or division at 0 in the loss, or clip the gradients"
+        else:
+            what = (
+                f"the update made a parameter not finite (the loss, {v:.4g}, and the "
+                "gradients are finite)"
+            )
+            fix = "lower the learning rate, or clip the gradients"
     return NonFiniteLossError(
         f"tg.train: {what} at epoch {epoch}, step {step}; stopped. {keep} ({fix}).",
         state,
