@@ -89,10 +89,21 @@ class StepInfo(NamedTuple):
 @jit
 def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ...]) -> Any:
     value, (g,) = withgradient(lambda m: loss(m, *batch), model)
+    _check_scalar(value)
     state, model = update(state, model, g)
     # The new model too: an update can overflow finite gradients (a learning rate
     # too large), and that model must not be kept as the last good one.
     return state, model, value, _finite(g) & _finite(model)
+
+
+def _check_scalar(value: Any) -> None:
+    if isinstance(value, tuple):
+        # withgradient takes a tuple's first element as the loss; tg.train records it.
+        raise TypeError(
+            f"tg.train: the loss returned a tuple of {len(value)} (a loss and auxiliary "
+            "values?); tg.train needs a real scalar loss. Return the loss alone, or write "
+            "the loop with tg.withgradient, which returns the whole tuple."
+        )
 
 
 def _finite(tree: Any) -> Any:
@@ -113,6 +124,7 @@ def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable
 
     def step(batch: tuple[Any, ...]) -> Any:
         value, grads = withgradient(lambda: loss(*batch), ps)
+        _check_scalar(value)
         update_(state, ps, grads)
         ok = _finite([g for g in cast(Grads, grads).values() if g is not None])
         return value, jnp.stack([ok, _finite(list(ps))])  # the updated parameters too
@@ -207,7 +219,22 @@ def _check_args(loss: Any, model: Any, state: Any, epochs: Any, callbacks: list[
     return n
 
 
-def _check_arity(loss: Any, n_batch: int, implicit: bool) -> None:
+def _batch_hint(batch: Any) -> str:
+    """What a batch the loss cannot take probably meant."""
+    if isinstance(batch, list):
+        return (
+            " The batch is a list; only a tuple is unpacked into the loss's arguments: "
+            "give batches as tuples, (x, y)."
+        )
+    if not isinstance(batch, tuple):
+        return (
+            " Each batch is a single array (data=(X, Y) is the batches X, then Y): for one "
+            "batch of (X, Y), pass data=[(X, Y)]."
+        )
+    return ""
+
+
+def _check_arity(loss: Any, n_batch: int, implicit: bool, batch: Any = ()) -> None:
     """The loss must take what tg.train passes: (model, *batch), or (*batch) with a Params."""
     code = getattr(loss, "__code__", None)
     if code is None or code.co_flags & 0x04 or not isinstance(loss, types.FunctionType):
@@ -220,9 +247,9 @@ def _check_arity(loss: Any, n_batch: int, implicit: bool) -> None:
     if implicit:
         raise TypeError(
             f"tg.train: with a tg.Params (implicit style), tg.train calls loss(*batch) with "
-            f"{n_batch} argument(s), but the loss takes {n}. The loss reads the model from its "
-            "closure: loss = lambda x, y: mse(model(x), y). For a loss(model, *batch), pass the "
-            "model itself: tg.train(loss, model, data, state)."
+            f"{n_batch} argument(s), but the loss takes {n}.{_batch_hint(batch)} The loss "
+            "reads the model from its closure: loss = lambda x, y: mse(model(x), y). For a "
+            "loss(model, *batch), pass the model itself: tg.train(loss, model, data, state)."
         )
     hint = (
         " It looks like an implicit-style loss(*batch): pass tg.params(model) instead of the model."
@@ -231,7 +258,7 @@ def _check_arity(loss: Any, n_batch: int, implicit: bool) -> None:
     )
     raise TypeError(
         f"tg.train: tg.train calls loss(model, *batch) with {want} argument(s) (the model and "
-        f"{n_batch} from the batch), but the loss takes {n}.{hint}"
+        f"{n_batch} from the batch), but the loss takes {n}.{_batch_hint(batch) or hint}"
     )
 
 
@@ -334,7 +361,7 @@ def train(
             for step, batch in enumerate(batches_of()):
                 args = place(batch if isinstance(batch, tuple) else (batch,), epoch, step)
                 if not checked:
-                    _check_arity(loss, len(args), implicit)
+                    _check_arity(loss, len(args), implicit, batch)
                     checked = True
                 if step_fn is not None and ps is not None:
                     v, ok = _implicit_train_step(step_fn, ps, state, args, epoch, step, losses)

@@ -74,6 +74,12 @@ def mse(yhat: Any, y: Any) -> Any:
         Array(2., dtype=float32)
     """
     _pair("tg.losses.mse", yhat, y)
+    if not jnp.issubdtype(jnp.result_type(yhat), jnp.inexact):
+        # optax's own error would name neither this function nor the argument.
+        raise TypeError(
+            f"tg.losses.mse: yhat has dtype {jnp.result_type(yhat)}; predictions must be "
+            "floating point (a loss is differentiated): pass yhat.astype(jnp.float32)."
+        )
     return jnp.mean(optax.losses.squared_error(yhat, y))
 
 
