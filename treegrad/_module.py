@@ -314,6 +314,15 @@ class Module:
     _tg_aux: _Static | _Edited | None
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if type(value) not in _LEAF_TYPES and _reaches(value, self):
+            # A Module inside itself is an infinite tree: flattening it would
+            # overflow the stack (and can take the interpreter down with it).
+            raise ValueError(
+                f"cannot set {type(self).__name__}.{name}: the value holds this "
+                f"{type(self).__name__} itself, which would make the model a cycle (an "
+                "infinite tree). Hold a reference outside the model, or hold a function "
+                "that returns it."
+            )
         object.__setattr__(self, name, value)
         _forget_split(self, name)
 
@@ -323,6 +332,12 @@ class Module:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "__slots__" in cls.__dict__ and "__dict__" not in cls.__dict__["__slots__"]:
+            # A Module's attributes are its __dict__ (children and static data alike).
+            raise TypeError(
+                f"{cls.__name__} defines __slots__: a tg.Module keeps its attributes in "
+                "__dict__, which __slots__ removes. Drop __slots__ from the class."
+            )
         names = cls.__dict__.get("__trainable__")
         if names is not None and (
             isinstance(names, str) or not all(isinstance(n, str) for n in names)
@@ -345,6 +360,28 @@ class Module:
 
 # The slot's descriptor: setting the cache through it skips attribute lookup.
 _AUX_SLOT: Any = Module.__dict__["_tg_aux"]
+
+
+_LEAF_TYPES = frozenset({*_SCALAR_TYPES, type(None)})
+
+
+def _reaches(value: Any, target: Module) -> bool:
+    """Whether `target` is `value` or inside it, through Modules and containers."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if v is target:
+            return True
+        if id(v) in seen or type(v) in _LEAF_TYPES or isinstance(v, _ARRAY_TYPES):
+            continue
+        seen.add(id(v))
+        if isinstance(v, Module):
+            stack.extend(v.__dict__.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return False
 
 
 def _forget_split(module: Module, name: str) -> None:
