@@ -195,6 +195,7 @@ def outer_loss(m):
     )
 
 
+@pytest.mark.slow
 def test_nested_trainable_explicit_covers_all_optimiser_matches_optax_on_the_subset():
     m = Outer()
     (g,) = tg.gradient(outer_loss, m)
@@ -471,6 +472,7 @@ def test_namedtuple_and_custom_pytree_models_both_styles_against_optax(kind):
         assert m.name == "k"
 
 
+@pytest.mark.slow
 def test_flax_nnx_split_state_explicit_and_optimiser_against_optax():
     nnx = pytest.importorskip("flax.nnx")
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -531,6 +533,7 @@ def test_equinox_with_static_field_and_int_leaf_update_and_destructure():
     close(gf, gw, 1e-5)
 
 
+@pytest.mark.slow
 def test_destructure_of_a_module_round_trip_and_gradient_against_a_dict_mirror():
     class D(tg.Module):
         __trainable__ = ("w", "h", "sub")

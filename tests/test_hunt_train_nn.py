@@ -91,6 +91,7 @@ def snapshot(model):
     return {k: np.asarray(v) for k, v in tg.params(model).named().items()}
 
 
+@pytest.mark.slow
 def test_train_explicit_equals_plain_optax_and_hand_loop_step_by_step():
     data = make_data()
     model = make_model()
@@ -629,6 +630,7 @@ CELLS = {
 }
 
 
+@pytest.mark.slow
 def test_recurrences_batched_from_a_nonzero_state_equal_hand_scan_and_grads():
     xs = rnd(4, 5, 6, 2)  # time, batch, features
     # Built under jit: one compile for all the initialisers.
@@ -728,6 +730,7 @@ class AllLayers(tg.Module):
         return total
 
 
+@pytest.mark.slow
 def test_every_layer_gradient_both_styles_equals_jax_grad():
     model = jax.jit(AllLayers)()
     assert isinstance(model, AllLayers) and isinstance(model.layers["dense"], nn.Dense)

@@ -210,9 +210,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-# One process: the same script, 8 s on a 2-core machine; slow, as the two-process
-# run covers the same code and the multi-process part too.
-@pytest.mark.parametrize("n_proc", [pytest.param(1, marks=pytest.mark.slow), 2])
+# One process: the same script, 8 s on a 2-core machine; two processes 11 s. Both
+# slow: CI's slow run has them.
+@pytest.mark.slow
+@pytest.mark.parametrize("n_proc", [1, 2])
 def test_processes_equal_one_device(tmp_path, n_proc):
     """20 data-parallel and 20 model+FSDP steps (save, load onto another mesh midway)."""
     port = str(_free_port())
