@@ -765,8 +765,7 @@ def test_trainable_typo_error_names_the_attribute():
         tg.params(T())
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: repr counts a tied weight once per place")
-def test_bug_repr_counts_a_tied_weight_once():
+def test_repr_counts_a_tied_weight_once():
     class Tied(tg.Module):
         def __init__(self):
             self.enc = jnp.ones((2, 3))
@@ -777,30 +776,20 @@ def test_bug_repr_counts_a_tied_weight_once():
     assert repr(m).splitlines()[0] == "Tied  # 6 parameters"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: repr counts arrays left out by __trainable__ as parameters"
-)
-def test_bug_repr_count_respects_trainable():
+def test_repr_count_respects_trainable():
     m = Inner()  # __trainable__ = ("a",): 2 parameters, 2 non-trainable numbers
     assert sum(p.size for p in tg.params(m)) == 2
     assert re.match(r"Inner  # 2 parameters", repr(m)), repr(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: repr of an eval_shape model shows 0 parameters and its arrays as static",
-)
-def test_bug_repr_of_eval_shape_model():
+def test_repr_of_eval_shape_model():
     abstract = jax.eval_shape(lambda: nn.Dense(2, 3, key=jax.random.key(0)))
     text = repr(abstract)
     assert text.splitlines()[0] == "Dense  # 9 parameters", text
     assert "  weight: float32[3×2]" in text.splitlines(), text
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: repr shows a None inside a dict as 'NoneType  # 0 parameters'"
-)
-def test_bug_repr_of_none_in_a_dict():
+def test_repr_of_none_in_a_dict():
     class H(tg.Module):
         def __init__(self):
             self.d = {"w": jnp.ones(2), "gone": None}

@@ -414,11 +414,17 @@ def format_tree(tree: Any, name: str | None = None) -> str:
 
 
 def _count(tree: Any) -> int:
-    return sum(
-        int(np.prod(leaf.shape))
-        for leaf in jax.tree_util.tree_leaves(tree)
+    """The parameters `tg.params` would collect: each array once (a tied weight is one),
+    within `__trainable__`; a ShapeDtypeStruct counts as the array it stands for."""
+    from ._params import trainable_leaves_with_path  # _params imports this module
+
+    arrays = {
+        id(leaf): leaf
+        for _, leaf in trainable_leaves_with_path(tree)
         if is_differentiable(leaf)
-    )
+        or (isinstance(leaf, jax.ShapeDtypeStruct) and np.issubdtype(leaf.dtype, np.inexact))
+    }
+    return sum(int(np.prod(leaf.shape)) for leaf in arrays.values())
 
 
 def _format(node: Any, label: str, depth: int, lines: list[str]) -> None:
@@ -443,6 +449,15 @@ def _format(node: Any, label: str, depth: int, lines: list[str]) -> None:
             _format(v, str(k), depth + 1, lines)
     elif isinstance(node, _ARRAY_TYPES):
         lines.append(f"{pad}{label}: {describe_leaf(node)}")
+    elif isinstance(node, jax.ShapeDtypeStruct):  # a model from jax.eval_shape
+        shape = "×".join(map(str, node.shape))
+        lines.append(
+            f"{pad}{label}: {node.dtype}[{shape}]"
+            if shape
+            else f"{pad}{label}: {node.dtype} scalar"
+        )
+    elif node is None:
+        lines.append(f"{pad}{label} = None")
     else:
         leaves = jax.tree_util.tree_leaves_with_path(node)
         if len(leaves) == 1 and leaves[0][1] is node:
