@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._jaxpr import is_tracer
 from .._module import Module
 
 
@@ -199,7 +200,7 @@ class Embedding(Module):
         if not jnp.issubdtype(idx.dtype, jnp.integer):
             raise TypeError(f"{self}: expected integer indices, got dtype {idx.dtype}")
         n = self.weight.shape[0]
-        if not isinstance(idx, jax.core.Tracer) and idx.size:
+        if not is_tracer(idx) and idx.size:
             values = np.asarray(idx)  # concrete: checked in numpy, nothing traced
             low, high = int(values.min()), int(values.max())
             if low < 0 or high >= n:
