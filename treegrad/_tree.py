@@ -68,8 +68,9 @@ def first_difference(a: Any, b: Any) -> str | None:
     """Dotted path of the first place where two trees differ in structure."""
     pa = jax.tree_util.tree_flatten_with_path(a, is_leaf=is_none)[0]
     pb = jax.tree_util.tree_flatten_with_path(b, is_leaf=is_none)[0]
-    for (ka, _), (kb, _) in zip(pa, pb, strict=False):
-        if ka != kb:
+    for (ka, la), (kb, lb) in zip(pa, pb, strict=False):
+        # A place that is None in one tree only (an attribute set to None) differs too.
+        if ka != kb or (la is None) != (lb is None):
             return path_str(ka) or "<root>"
     if len(pa) != len(pb):
         longer = pa if len(pa) > len(pb) else pb
