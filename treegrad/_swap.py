@@ -230,7 +230,9 @@ def _key_paths(treedef: Any) -> list[Any] | None:
     try:
         dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
         return [tuple(k) for k, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
-    except Exception:  # a user's pytree whose unflatten checks its leaves
+    except (TypeError, ValueError, AttributeError):
+        # A user's pytree whose unflatten checks its leaves (0 is not an array):
+        # the caller then takes the structure as changed. Anything else propagates.
         return None
 
 
