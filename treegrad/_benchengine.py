@@ -55,7 +55,7 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
     assert cl is not None
     dyn = [*cl, *call.a_uniq]
     ct = P.cotangent()
-    shape, _, _, _ = E._RECENT[(P.GRAD, (True,), E.root_keys((loss,)))]
+    shape, *_ = E._RECENT[(P.GRAD, (True,), E.root_keys((loss,)))]
     flat_grads, _, _ = entry.jitted(*dyn, ct)
     vg = jax.jit(jax.value_and_grad(_tg_loss))
 

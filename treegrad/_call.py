@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from . import _guard as G
-from ._outputs import DYN, uniq
+from ._outputs import DYN, shared_nodes, uniq
 from ._programs import CALL
 from ._tree import value_key
 
@@ -41,7 +41,7 @@ def root_key(f: Any) -> Any:
 class Call:
     """The roots (the function, and for `tg.jit` callable arguments) and the flat arguments."""
 
-    __slots__ = ("a_def", "a_slots", "a_statics", "a_uniq", "groups", "key", "roots")
+    __slots__ = ("a_def", "a_shared", "a_slots", "a_statics", "a_uniq", "groups", "key", "roots")
 
     def __init__(self, program: str, options: Any, roots: tuple[Any, ...], args: Any):
         self.roots = roots
@@ -57,8 +57,19 @@ class Call:
             self.a_statics = tuple(DYN if G.is_array(x) else x for x in leaves)
         self.groups = _groups(program, a_def, self.a_statics)
         self.a_uniq, self.a_slots = uniq_in_groups(arrays, self.groups)
+        # A sub-model at two places holds its arrays at both, so only arguments with
+        # repeated arrays can share one: then which (the trace shares it again).
+        self.a_shared = None if self.a_slots is None else shared_nodes(args)
         typed = None if self.a_statics is None else _static_key(self.a_statics)
-        self.key = (program, options, root_keys(roots), self.a_def, typed, self.a_slots)
+        self.key = (
+            program,
+            options,
+            root_keys(roots),
+            self.a_def,
+            typed,
+            self.a_slots,
+            self.a_shared,
+        )
 
 
 def _static_key(statics: tuple[Any, ...]) -> Any:

@@ -44,8 +44,8 @@ from . import _jaxpr
 from ._call import _GROUPS, DTYPE, Call, links, picker, root_keys, uniq_in_groups
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
-from ._outputs import DYN, Packed, Written, _Aux, expand, split_unique, uniq
-from ._paths import _LAST, _SETTERS
+from ._outputs import DYN, Packed, Written, _Aux, expand, shared_nodes, split_unique, uniq
+from ._paths import _LAST, _SETTERS, get_at, put_at
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
@@ -112,6 +112,7 @@ class Entry:
         self.guard = Guard(self.nodes, self.absolute)
         self.a_def: Any = call.a_def
         self.a_statics, self.a_slots = call.a_statics, call.a_slots
+        self.a_shared = call.a_shared
         self.n_args = len(call.a_uniq)
         self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
         self.demoted = False
@@ -411,7 +412,11 @@ class Entry:
             # array's tracer, as it is that object when the function runs uncompiled:
             # `step(model, x)` with `ps = tg.params(model)` captured.
             arrays = [a if k < 0 else vals[k] for a, k in zip(arrays, self.a_links, strict=True)]
-        return self._in_arg_tree(expand(arrays, self.a_slots), keep_statics=True)
+        tree = self._in_arg_tree(expand(arrays, self.a_slots), keep_statics=True)
+        for repeat, first in self.a_shared or ():
+            # A sub-model held at two places is one object, as in the caller's model.
+            tree = put_at(tree, repeat, get_at(tree, first))
+        return tree
 
     def arg_trees(self, by_pos: dict[int, Any]) -> Any:
         """One value per argument array leaf, in the arguments' structure (None elsewhere).
@@ -492,7 +497,7 @@ _WARNED: set[Any] = set()
 # Per function (and program, options): the last arguments' structure, its ties, its
 # bucket and its argument groups (`_call._groups`).
 _Slots = tuple[int, ...] | None
-_RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots]] = {}
+_RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots, Any]] = {}
 _SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
 MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES]
@@ -516,11 +521,11 @@ def execute(
     if recent is not None:
         # The arguments' structure seen last with this function, read by generated
         # code: the same structure and ties give the same cache key.
-        shape, slots, last, groups = recent
+        shape, slots, last, groups, shared = recent
         leaves = shape.flatten(args)
         if leaves is not None:
             a_uniq, a_slots = uniq_in_groups(leaves, groups)
-            if a_slots == slots:
+            if a_slots == slots and (a_slots is None or shared_nodes(args) == shared):
                 hit = _lookup(last, roots, a_uniq, params)
                 if hit is not None:
                     return hit
@@ -591,7 +596,7 @@ def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
         _RECENT.clear()
     # An emptied bucket is dropped from the cache; the one held here then stays
     # empty, so the fast path misses and the slow path files the new one.
-    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups)
+    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared)
 
 
 def _warn_hidden(entry: Entry, f: Any) -> None:

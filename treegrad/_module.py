@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import operator
 import types
+import weakref
 from typing import Any, ClassVar
 
 import jax
@@ -330,32 +331,48 @@ class Module:
         object.__delattr__(self, name)
         _forget_split(self, name)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls not in _REGISTERED:
+            # A parent's __init_subclass__ that skips super() never reached ours:
+            # register here, before the first instance exists (unflattening builds
+            # instances with object.__new__, so it never comes this way).
+            _register(cls)
+        return object.__new__(cls)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "__slots__" in cls.__dict__ and "__dict__" not in cls.__dict__["__slots__"]:
-            # A Module's attributes are its __dict__ (children and static data alike).
-            raise TypeError(
-                f"{cls.__name__} defines __slots__: a tg.Module keeps its attributes in "
-                "__dict__, which __slots__ removes. Drop __slots__ from the class."
-            )
-        names = cls.__dict__.get("__trainable__")
-        if names is not None and (
-            isinstance(names, str) or not all(isinstance(n, str) for n in names)
-        ):
-            # ("wb") is the string "wb", which would be read as the names "w" and "b".
-            raise TypeError(
-                f"{cls.__name__}.__trainable__ must be a tuple of attribute names, got "
-                f"{names!r}; write ({names!r},) for one name."
-                if isinstance(names, str)
-                else f"{cls.__name__}.__trainable__ must hold attribute names (strings), "
-                f"got {names!r}."
-            )
-        jax.tree_util.register_pytree_with_keys(
-            cls, _flatten_with_keys, _make_unflatten(cls), flatten_func=_flatten
-        )
+        _register(cls)
 
     def __repr__(self) -> str:
         return format_tree(self)
+
+
+# Every registered Module class; a class reaches `Module.__new__` unregistered only
+# when a parent's __init_subclass__ skipped super().
+_REGISTERED: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def _register(cls: type) -> None:
+    """Check a Module class's definition and register it with `jax.tree_util`."""
+    if "__slots__" in cls.__dict__ and "__dict__" not in cls.__dict__["__slots__"]:
+        # A Module's attributes are its __dict__ (children and static data alike).
+        raise TypeError(
+            f"{cls.__name__} defines __slots__: a tg.Module keeps its attributes in "
+            "__dict__, which __slots__ removes. Drop __slots__ from the class."
+        )
+    names = cls.__dict__.get("__trainable__")
+    if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
+        # ("wb") is the string "wb", which would be read as the names "w" and "b".
+        raise TypeError(
+            f"{cls.__name__}.__trainable__ must be a tuple of attribute names, got "
+            f"{names!r}; write ({names!r},) for one name."
+            if isinstance(names, str)
+            else f"{cls.__name__}.__trainable__ must hold attribute names (strings), got {names!r}."
+        )
+    jax.tree_util.register_pytree_with_keys(
+        cls, _flatten_with_keys, _make_unflatten(cls), flatten_func=_flatten
+    )
+    _REGISTERED.add(cls)
 
 
 # The slot's descriptor: setting the cache through it skips attribute lookup.
@@ -404,6 +421,7 @@ def _forget_split(module: Module, name: str) -> None:
 jax.tree_util.register_pytree_with_keys(
     Module, _flatten_with_keys, _make_unflatten(Module), flatten_func=_flatten
 )
+_REGISTERED.add(Module)
 
 
 def format_tree(tree: Any, name: str | None = None) -> str:

@@ -22,7 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._optstate import _Config, build, own_part, split_leaves, trainable_slots, with_frozen
+from ._optstate import (
+    _Config,
+    build,
+    holders,
+    own_part,
+    split_leaves,
+    trainable_slots,
+    with_frozen,
+)
 from ._optstep import BadGradient, step, step_donating
 from ._optview import Leaf, OptState, SubState, rule_name
 from ._params import Grads, Params
@@ -252,10 +260,22 @@ def _check_avals(config: _Config, params: list[Any], api: str, error: Exception)
 def _check_rebindable(config: _Config, model: Any, api: str) -> None:
     pinned = [p for p in config.pinned(model) if config.slots[p] not in config.frozen]
     if pinned:
+        path = config.paths[pinned[0]]
+        kinds = [k.__name__ for k in holders(model, pinned[0]) if not issubclass(k, tuple)]
+        if not kinds:
+            raise TypeError(
+                f"{api}: cannot update '{path}' in place: only tuples hold it, up to the "
+                f"{type(model).__name__} at the root, and tuples are immutable. Hold "
+                "parameters in a tg.Module, a dict or a list, or use the pure tg.update."
+            )
+        # A pytree registered without keys says where its children are by position
+        # only: there is no attribute to set the new array on.
         raise TypeError(
-            f"{api}: cannot update '{config.paths[pinned[0]]}' in place: only tuples hold it, "
-            f"up to the {type(model).__name__} at the root, and tuples are immutable. Hold "
-            "parameters in a tg.Module, a dict or a list, or use the pure tg.update."
+            f"{api}: cannot update '{path}' in place: it is held by a {kinds[-1]}, a pytree "
+            "registered without attribute names (jax.tree_util.register_pytree_node), so "
+            "there is no attribute to set the new array on. Register the class with "
+            "jax.tree_util.register_pytree_with_keys and GetAttrKey keys, make it a "
+            "tg.Module, or use the pure tg.update."
         )
 
 
@@ -615,6 +635,8 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
         array, a tied array once; `rebuild(v)` returns a copy of `model` with
         those arrays taken from `v` (differentiable, so `jax.grad` flows
         through it), tied arrays and shared sub-models shared again.
+        `rebuild` is a `jax.tree_util.Partial`, a pytree holding the model's
+        arrays, so it can be passed to `jax.jit` as an argument.
 
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg
@@ -628,25 +650,42 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
     model = _source(model)
     leaves, treedef, slots, uniq = trainable_slots(model)
     flat, unravel = jax.flatten_util.ravel_pytree(uniq)
-    shared = len(unique_by_id(leaves)[0]) < len(leaves)
 
-    def rebuild(v: Any) -> Any:
+    def check(v: Any) -> None:
         if getattr(v, "shape", None) != flat.shape:
             raise ValueError(
                 f"destructure's rebuild expects a vector of shape {flat.shape}, got "
                 f"{getattr(v, 'shape', type(v).__name__)}"
             )
+
+    def parts(v: Any, uniq: list[Any]) -> Sequence[Any]:
         # Each array back on its own sharding: the pieces of `v` are slices of
         # one vector, which XLA lays out as it likes.
-        parts: Sequence[Any] = [keep(x, old) for x, old in zip(unravel(v), uniq, strict=True)]
-        if shared:
-            by_id = {id(old): new for old, new in zip(uniq, parts, strict=True)}
+        check(v)
+        return [keep(x, old) for x, old in zip(unravel(v), uniq, strict=True)]
+
+    # `rebuild` is a jax.tree_util.Partial: the model's arrays it reads are its pytree
+    # children, so a function differentiated or compiled through it (and jax.jit given
+    # it as an argument) takes them as inputs, not as constants hidden in a closure.
+    if len(unique_by_id(leaves)[0]) < len(leaves):  # tied weights, shared sub-models
+
+        def rebuild_shared(model: Any, uniq: list[Any], v: Any) -> Any:
+            # By position, then by object: under jax.jit the model's leaves arrive as
+            # distinct tracers (one per place), outside it a tied array is one object.
+            new = parts(v, uniq)
+            at = jax.tree_util.tree_leaves(model)
+            by_id = {id(leaf): leaf if s < 0 else new[s] for s, leaf in zip(slots, at, strict=True)}
             return tree_map_shared(lambda leaf: by_id.get(id(leaf), leaf), model)
+
+        return flat, jax.tree_util.Partial(rebuild_shared, model, uniq)
+
+    def rebuild(leaves: list[Any], uniq: list[Any], v: Any) -> Any:
+        new = parts(v, uniq)
         return treedef.unflatten(
-            [leaf if s < 0 else parts[s] for s, leaf in zip(slots, leaves, strict=True)]
+            [leaf if s < 0 else new[s] for s, leaf in zip(slots, leaves, strict=True)]
         )
 
-    return flat, rebuild
+    return flat, jax.tree_util.Partial(rebuild, leaves, uniq)
 
 
 __all__ = [

@@ -328,6 +328,25 @@ def _rebindable(model: Any) -> list[bool]:
     return out
 
 
+def holders(model: Any, position: int) -> list[type]:
+    """The types of the containers above leaf `position`, from the root down."""
+    count = 0
+
+    def go(node: Any, above: list[type]) -> list[type] | None:
+        nonlocal count
+        level = functor(node)
+        if level is None:
+            count += 1
+            return above if count - 1 == position else None
+        for _, child in level[0]:
+            found = go(child, [*above, type(node)])
+            if found is not None:
+                return found
+        return None
+
+    return go(model, []) or []
+
+
 def _mutable(node: Any, children: list[tuple[Any, Any]]) -> bool:
     if isinstance(node, (Module, list, dict)):
         return True

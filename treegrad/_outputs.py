@@ -11,7 +11,10 @@ import numpy as np
 
 from ._fasttree import TAKE, Shape
 from ._params import Grads
-from ._tree import unique_by_id
+from ._paths import get_at, put_at
+from ._tree import functor, unique_by_id
+
+Path = tuple[Any, ...]
 
 
 class _Dyn:
@@ -43,10 +46,14 @@ def expand(values: Sequence[Any], slots: tuple[int, ...] | None) -> list[Any]:
 class _Aux:
     """Non-array parts of an output, carried through `jax.jit` as static data."""
 
-    __slots__ = ("_shape", "slots", "statics", "treedef")
+    __slots__ = ("_shape", "shared", "slots", "statics", "treedef")
 
     def __init__(
-        self, treedef: Any, statics: tuple[Any, ...], slots: tuple[int, ...] | None = None
+        self,
+        treedef: Any,
+        statics: tuple[Any, ...],
+        slots: tuple[int, ...] | None = None,
+        shared: tuple[tuple[Path, Path], ...] | None = None,
     ):
         self.treedef = treedef
         self.statics = statics
@@ -54,6 +61,9 @@ class _Aux:
         # the distinct arrays each place gets (see `uniq`), so the places are one
         # object again after the call. None: every array is at one place.
         self.slots = slots
+        # Likewise for a sub-model (a Module, list or dict) at several places: the
+        # path of each repeat and of its first place (see `shared_nodes`).
+        self.shared = shared
         self._shape: Shape | None = None
 
     def rebuild(self, arrays: Sequence[Any]) -> Any:
@@ -61,13 +71,17 @@ class _Aux:
         # static leaves in place, without a Python callback per Module.
         if self._shape is None:
             self._shape = Shape(self.treedef, spec=[TAKE if s is DYN else s for s in self.statics])
-        return self._shape.unflatten(expand(arrays, self.slots))
+        tree = self._shape.unflatten(expand(arrays, self.slots))
+        for repeat, first in self.shared or ():
+            tree = put_at(tree, repeat, get_at(tree, first))
+        return tree
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, _Aux)
             and self.treedef == other.treedef
             and self.slots == other.slots
+            and self.shared == other.shared
             and len(self.statics) == len(other.statics)
             and all(a is b or _same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
         )
@@ -123,7 +137,35 @@ def split_output(out: Any) -> tuple[list[Any], _Aux]:
             if type(leaf) is Grads:
                 raise _grads_out()
             statics.append(leaf)
-    return arrays, _Aux(treedef, tuple(statics))
+    return arrays, _Aux(treedef, tuple(statics), shared=shared_nodes(out))
+
+
+def shared_nodes(out: Any) -> tuple[tuple[Path, Path], ...] | None:
+    """For each node object (a Module, list, dict or foreign pytree node; not a tuple)
+    found at several places of `out`: the key path of each repeat and of its first
+    place, in flatten order. None when nothing repeats: the common case.
+
+    jax rebuilds an output tree node by node, so a sub-model shared by two
+    places would come back as two objects; `_Aux.rebuild` shares it again.
+    """
+    first: dict[int, Path] = {}
+    pairs: list[tuple[Path, Path]] = []
+
+    def go(node: Any, path: Path) -> None:
+        level = functor(node)
+        if level is None:
+            return
+        if node is not None and not isinstance(node, tuple):
+            prior = first.get(id(node))
+            if prior is not None:
+                pairs.append((path, prior))
+                return
+            first[id(node)] = path
+        for key, child in level[0]:
+            go(child, (*path, key))
+
+    go(out, ())  # `out` holds every node while this runs, so ids stay unique
+    return tuple(pairs) or None
 
 
 def _grads_out() -> TypeError:
@@ -147,7 +189,7 @@ def split_unique(out: Any) -> tuple[list[Any], _Aux]:
 
 def pack(out: Any) -> Packed:
     arrays, aux = split_unique(out)
-    if aux.slots is None and all(s is DYN for s in aux.statics):
+    if aux.slots is None and aux.shared is None and all(s is DYN for s in aux.statics):
         return Packed(out, None)
     return Packed(arrays, aux)
 

@@ -43,6 +43,14 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             # Frozen dataclass-style models (e.g. equinox) refuse setattr;
             # object.__setattr__ is how their own tree_at-style helpers write.
             object.__setattr__(node, key.name, value)
+        except Exception:
+            if isinstance(node, Module):
+                raise
+            # A foreign pytree's setattr refusing for a reason of its own: flax nnx's
+            # Variable, set inside a trace it was not made in (TraceContextError).
+            # Its unflatten is the sanctioned way to build one: the node takes the
+            # contents of a copy with the new child, and stays the same object.
+            _take_contents(node, _with_child(node, key, value), {id(value)})
         return node
     if isinstance(key, DictKey):
         node[key.key] = value
@@ -56,6 +64,23 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             items[key.idx] = value
             return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
     raise TypeError(f"cannot set child {key!r} of {type(node).__name__}")
+
+
+def get_at(root: Any, path: tuple[Any, ...]) -> Any:
+    """The node at key path `path` inside `root`."""
+    for key in path:
+        root = _child(root, key)
+    return root
+
+
+def put_at(root: Any, path: tuple[Any, ...], value: Any) -> Any:
+    """`root` with the node at `path` set to `value`: in place where a mutable container
+    holds it, rebuilding the tuples above it; returns the (possibly new) root."""
+    if not path:
+        return value
+    child = _child(root, path[0])
+    new = put_at(child, path[1:], value)
+    return root if new is child else _replaced(root, path[0], new)
 
 
 def set_at(root: Any, path: tuple[Any, ...], value: Any) -> None:
@@ -204,7 +229,7 @@ def _rebind_node(node: Any, changed: dict[int, Any], found: set[int]) -> Any:
 
 
 def _become(node: Any, changed: dict[int, Any], found: set[int]) -> None:
-    """Give `node` the contents of a copy of itself rebuilt with the changed leaves."""
+    """Give `node` the new leaves, through a copy of itself rebuilt with them."""
     leaves, treedef = jax.tree_util.tree_flatten(node)
     new_leaves = []
     for leaf in leaves:
@@ -213,14 +238,44 @@ def _become(node: Any, changed: dict[int, Any], found: set[int]) -> None:
             found.add(id(leaf))
         new_leaves.append(leaf if new is None else new)
     copy = jax.tree_util.tree_unflatten(treedef, new_leaves)
+    _take_contents(node, copy, {id(changed[k]) for k in found})
+
+
+def _with_child(node: Any, key: Any, value: Any) -> Any:
+    """A copy of the pytree `node`, built by its unflatten, with child `key` replaced."""
+    children, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if (key,) not in [p for p, _ in children]:
+        raise TypeError(f"{type(node).__name__} has no child {key!r} to set")
+    return jax.tree_util.tree_unflatten(treedef, [value if p == (key,) else c for p, c in children])
+
+
+def _take_contents(node: Any, copy: Any, new: set[int]) -> None:
+    """Set on `node` each attribute of `copy` (a new one of its type) that holds a new
+    value (by id in `new`); the others stay `node`'s own. Bookkeeping its unflatten made
+    afresh (flax nnx's trace state, made inside a trace) would be wrong outside."""
     if type(copy) is not type(node):
         raise TypeError(f"cannot update a {type(node).__name__} in place")
-    if hasattr(node, "__dict__"):
-        vars(node).update(vars(copy))
+
+    def holds(x: Any) -> bool:
+        return id(x) in new or any(id(leaf) in new for leaf in jax.tree_util.tree_leaves(x))
+
+    # The instance dict itself, not through getattr: a class that forwards unknown
+    # attributes (nnx's Variable, to its value) would hand back someone else's.
+    if type(node).__dictoffset__:
+        mine = object.__getattribute__(node, "__dict__")
+        for name, x in object.__getattribute__(copy, "__dict__").items():
+            if holds(x):
+                mine[name] = x
     for klass in type(node).__mro__:
         for name in vars(klass).get("__slots__", ()):
-            if name not in ("__dict__", "__weakref__") and hasattr(copy, name):
-                object.__setattr__(node, name, getattr(copy, name))
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                x = object.__getattribute__(copy, name)
+            except AttributeError:
+                continue
+            if holds(x):
+                object.__setattr__(node, name, x)
 
 
 _OPAQUE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, str, int, float)
