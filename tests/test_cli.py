@@ -1,5 +1,6 @@
 """The command line: the main job, argument checks, the benchmark smoke run and its plot."""
 
+import json
 import re
 import subprocess
 import sys
@@ -203,3 +204,64 @@ def test_table_has_the_control_and_cpu_column():
     assert "cpu vs two-call" in table.splitlines()[1]
     implicit = next(line for line in table.splitlines() if line.startswith("tg implicit loop"))
     assert implicit.split()[-3:] == ["2.00", "1.00", "1.25"]
+
+
+def test_processes_report_medians_and_paired_ratios_across_processes(monkeypatch):
+    # Three processes; process 2 is slow for every system alike (its memory layout):
+    # a ratio within each process is 1.5, the ratio of cross-process medians is not.
+    per = [(1.0, 1.5), (10.0, 15.0), (1.2, 1.8)]
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        seed = int(cmd[-1])
+        two, tg_ = per[seed]
+        times = {"jax.jit fused (hand-written)": two, _bench.TWO: two, "tg implicit loop": tg_}
+        out = {"times": times, "cpu": times, "notes": ["n"], "traces": {"naive": [1]}}
+        return subprocess.CompletedProcess(
+            cmd, 0, stdout="warm-up text\n" + json.dumps(out), stderr=""
+        )
+
+    monkeypatch.setattr(_bench.subprocess, "run", fake_run)
+    m = _bench.measure_processes("tiny", steps=7, repeats=3, processes=3)
+    assert [c[-4:] for c in calls] == [["tiny", "7", "3", str(s)] for s in range(3)]
+    assert m.times["tg implicit loop"] == [1.5, 15.0, 1.8]  # in process order
+    line = next(
+        row
+        for row in _bench.format_table("t", m.times, m.cpu, paired=True).splitlines()
+        if row.startswith("tg implicit loop")
+    )
+    assert line.split()[-3:] == ["1.50", "1.50", "1.50"]
+    assert "1500000.0-15000000.0" in line  # spread: min-max of the processes' medians
+
+
+def test_a_failed_benchmark_process_names_itself_and_shows_its_error(monkeypatch):
+    monkeypatch.setattr(
+        _bench.subprocess,
+        "run",
+        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Boom: no jax"),
+    )
+    with pytest.raises(RuntimeError, match=r"benchmark process 1 of 2 failed \(exit 1\):\nBoom"):
+        _bench.measure_processes("tiny", steps=1, repeats=1, processes=2)
+
+
+@pytest.mark.slow  # two fresh processes, each compiling every system: ~30 s
+def test_bench_in_processes_end_to_end(capsys):
+    argv = [
+        "bench",
+        "--sizes",
+        "tiny",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--processes",
+        "2",
+        "--first-call=",
+    ]
+    code = _cli.main(argv)
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "2 processes of 1 repetitions: medians across processes" in out
+    assert "tiny: process 2/2" in out
+    assert next(r for r in out.splitlines() if r.startswith(_bench.CONTROL))
