@@ -368,12 +368,20 @@ def test_grads_arithmetic_none_is_zero_and_dtype_is_kept(op, dtype):
 @pytest.mark.parametrize(
     "expr, exc, words",
     [
-        (lambda g, o: g * "a", TypeError, r"multiplied by a number or an array, got a str"),
+        (lambda g, o: g * "a", TypeError, r"multiplied by a number or a 0-d array, got a str"),
         (lambda g, o: g * None, TypeError, r"multiplied by a number.*got a NoneType"),
         (lambda g, o: g * True, TypeError, r"got a bool"),
-        (lambda g, o: g / [2.0], TypeError, r"divided by a number or an array, got a list"),
-        (lambda g, o: g + o, ValueError, r"different parameter sets \(2 vs 1 parameters"),
-        (lambda g, o: o - g, ValueError, r"different parameter sets \(1 vs 2 parameters"),
+        (lambda g, o: g / [2.0], TypeError, r"divided by a number or a 0-d array, got a list"),
+        (
+            lambda g, o: g + o,
+            ValueError,
+            r"different parameter sets \(2 and 1 parameters\): '1' is only in the first\. Take",
+        ),
+        (
+            lambda g, o: o - g,
+            ValueError,
+            r"different parameter sets \(1 and 2 parameters\): '1' is only in the second",
+        ),
         (lambda g, o: g + 1.0, TypeError, r"unsupported operand.*'Grads' and 'float'"),
         (lambda g, o: g * g, TypeError, r"unsupported operand.*'Grads' and 'Grads'"),
         (lambda g, o: g.__setitem__(next(iter(g)), 1.0), TypeError, r"read-only.*map"),

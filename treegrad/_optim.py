@@ -415,6 +415,8 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
         changed = {id(old): new for old, new in pairs if old is not new}
     if changed:
         rebind(src, changed, (m_leaves, state._config.treedef))
+        if isinstance(model, Params):
+            model._rebound(src)
     state._install(state._config, leaves)
 
 

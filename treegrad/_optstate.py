@@ -35,7 +35,7 @@ import optax
 
 from ._fasttree import Shape
 from ._module import Module, register_child_type
-from ._params import trainable_leaves_with_path
+from ._params import distinct, trainable_leaves_with_path
 from ._shard import place_state
 from ._tree import (
     first_difference,
@@ -247,7 +247,8 @@ class _Config:
                 for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]:
                     inner = path_str(path)
                     names.append(f"{scope}:{inner}" if scope else inner or "<root>")
-            self._names = names
+            # Dict keys are free text: {"a.b": x} beside {"a": {"b": y}} print alike.
+            self._names = distinct(names)
         return self._names
 
     def present(self, missing: tuple[int, ...], tracing: bool) -> Any:
@@ -377,7 +378,7 @@ def _map_param_subtrees(
         return optax.tree_map_params(
             rule, fn, state, is_leaf=lambda _: True, transform_non_params=shared
         )
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, IndexError):  # IndexError: optax.lbfgs's line search
         return None
 
 
@@ -443,12 +444,27 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
     tree = treedef.unflatten(masked)
     param_def = jax.tree_util.tree_structure(tree)
     state = rule.init(tree)
+    _refuse_lookahead(state)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
     statemap = _statemap(rule, state, param_def)
     part = _Part(rule, state_def, param_def, tuple(leaf_ids), statemap, scope)
     p_leaves = [x for x in masked if x is not None]
     owners = [p_leaves[local] if local >= 0 else None for local in statemap]
     return part, place_state(state_leaves, owners, p_leaves)
+
+
+def _refuse_lookahead(state: Any) -> None:
+    """optax.lookahead steps a `LookaheadParams(fast, slow)` pair, not the model:
+    its update would fail inside the compiled step on the model's tree."""
+    found = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.LookaheadState))
+    if any(isinstance(x, optax.LookaheadState) for x in found):
+        raise TypeError(
+            "tg.setup: optax.lookahead updates a pair of parameter trees "
+            "(optax.LookaheadParams(fast, slow)), not a model, so treegrad's optimiser, which "
+            "updates the model itself, cannot run it. Train with the inner rule, or use "
+            "plain optax for lookahead (its state and params are pytrees: "
+            "tg.gradient gives the gradient tree it needs)."
+        )
 
 
 def trainable_slots(model: Any) -> tuple[list[Any], Any, list[int], list[Any]]:

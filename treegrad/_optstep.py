@@ -15,6 +15,7 @@ cache is keyed on them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -25,6 +26,11 @@ from ._optstate import _Config
 from ._optview import rule_name
 from ._shard import constrain
 from ._tree import describe_leaf
+
+# The TypeError of a call missing keyword-only arguments, and their names.
+_EXTRA_ARGS = re.compile(
+    r"(?:(\w+)\.<locals>\.)?\w+\(\) missing \d+ required keyword-only arguments?: (.*)$"
+)
 
 
 class BadGradient(ValueError):
@@ -132,11 +138,27 @@ def _part_step(
         total[i] if m else jnp.zeros_like(params[i])
         for i, m in zip(part.leaf_ids, mine, strict=True)
     ]
-    updates, state = part.rule.update(
-        part.param_def.unflatten(g_leaves),
-        part.state_def.unflatten(old),
-        part.param_def.unflatten(p_leaves),
-    )
+    try:
+        updates, state = part.rule.update(
+            part.param_def.unflatten(g_leaves),
+            part.state_def.unflatten(old),
+            part.param_def.unflatten(p_leaves),
+        )
+    except TypeError as e:
+        extra = _EXTRA_ARGS.search(str(e))
+        if extra is None:
+            raise
+        # optax's GradientTransformationExtraArgs (reduce_on_plateau, lbfgs's line
+        # search) take more than (updates, state, params) at each step.
+        name = rule_name(part.rule)
+        inner = extra.group(1)
+        where = f"{name} ({inner} in it)" if inner and inner != name else name
+        raise TypeError(
+            f"tg.update: the optax rule {where} needs extra arguments at each "
+            f"step ({extra.group(2)}: optax's GradientTransformationExtraArgs), which "
+            "tg.update and tg.update_ do not pass. Use a rule that needs none, or run this "
+            "one with plain optax on the gradient tree tg.gradient gives."
+        ) from e
     new, new_def = jax.tree_util.tree_flatten(state)
     if new_def != part.state_def:
         raise TypeError(

@@ -113,6 +113,16 @@ class OptState(_View):
     def __deepcopy__(self, memo: dict[int, Any]) -> OptState:
         return OptState(self._config, copy.deepcopy(self._leaves, memo))
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The state holds its optax rule, functions made inside optax that pickle
+        # cannot store; a checkpoint stores the arrays, and the rule is given again.
+        raise TypeError(
+            "cannot pickle a treegrad optimiser state: it holds its optax rule (functions "
+            "made inside optax, which pickle cannot store). Save it with "
+            "tg.save(path, state) and read it back with "
+            "tg.load(path, tg.setup(rule, model)); or pickle jax.tree_util.tree_leaves(state)."
+        )
+
     def _install(self, config: _Config, leaves: Sequence[Any]) -> None:
         """Replace configuration and arrays in place (views follow: they read the root)."""
         object.__setattr__(self, "_config", config)

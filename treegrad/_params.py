@@ -143,8 +143,15 @@ class Params:
         self._cache: dict[int, tuple[Any, list[int], list[tuple[Any, ...]], Shape, Any]] = {}
         if isinstance(xs, Params):
             self._sources = [list(xs._removed), *xs._sources[1:]]
+        elif isinstance(xs, (list, tuple)) and xs and all(isinstance(x, Params) for x in xs):
+            for x in xs:  # Params([p1, p2]): their union, in order
+                self.add(x)
         elif not (type(xs) in (list, tuple) and not xs):
             self._sources.append(_checked_source(xs, "tg.params"))
+
+    def __copy__(self) -> Params:
+        # A new set: adding to or removing from the copy leaves this one as it is.
+        return Params(self)
 
     @property
     def _removed(self) -> list[Any]:
@@ -157,6 +164,16 @@ class Params:
         An array removed before is a parameter again when it is added, on its own
         or inside a container.
         """
+        if isinstance(x, Params):
+            # The union: its sources join ours. An array it left out stays out unless
+            # one of our sources holds it; one we left out comes back if it holds it.
+            mine, theirs = {id(a) for a in self}, {id(a) for a in x}
+            kept = [r for r in self._removed if id(r) not in theirs]
+            kept += [r for r in x._removed if id(r) not in mine and all(r is not k for k in kept)]
+            self._sources[1:] = [*self._sources[1:], *x._sources[1:]]
+            self._sources[0] = kept
+            self._cache.clear()
+            return
         self._sources.append(_checked_source(x, "Params.add"))
         self._cache.clear()
         if self._removed:
@@ -164,20 +181,43 @@ class Params:
             self._sources[0] = [r for r in self._removed if id(r) not in back]
 
     def remove(self, x: Any) -> None:
-        """Remove a parameter; `KeyError` if it is not in the set (see `discard`)."""
-        if x not in self:
+        """Remove a parameter, a source given to `Params`/`add`, or every parameter of a
+        sub-model; `KeyError` if none of them is in the set (see `discard`).
+
+        A removed array stays out while it is the array in its place; a new array
+        assigned there (by the user; `tg.update_` leaves a removed array alone) is a
+        parameter again.
+        """
+        if not self._discard(x):
             raise KeyError(
-                f"Params.remove: this {describe_leaf(x)} is not one of the parameters "
-                "(they are compared by identity); use discard to ignore a missing one."
+                f"Params.remove: this {describe_leaf(x)} is not one of the parameters, nor "
+                "holds any (they are compared by identity); use discard to ignore a missing one."
             )
-        self.discard(x)
 
     def discard(self, x: Any) -> None:
-        """Remove a parameter if it is in the set."""
-        if isinstance(x, jax.Array) and not any(r is x for r in self._removed):
-            self._removed.append(x)
-        self._sources[1:] = [s for s in self._sources[1:] if s is not x]
+        """`remove`, doing nothing when `x` is not (and holds no) parameter."""
+        self._discard(x)
+
+    def _discard(self, x: Any) -> bool:
+        """Remove `x`; whether anything was removed."""
+        current = self.arrays()
+        sources = self._sources[1:]
+        dropped = any(s is x for s in sources)
+        if dropped:
+            # A source given to Params/add: drop it (a container's arrays go unless
+            # another source holds them too).
+            self._sources[1:] = [s for s in sources if s is not x]
+        if isinstance(x, jax.Array):  # out, wherever else it is held
+            gone = [x] if any(a is x for a in current) else []
+        elif dropped or isinstance(x, (np.ndarray, Params)) or x is None:
+            gone = []
+        else:  # a sub-model or container: its parameters that are in the set
+            inside = {id(leaf) for leaf in jax.tree_util.tree_leaves(x)}
+            gone = [a for a in current if id(a) in inside]
+        removed = self._removed
+        removed.extend(a for a in gone if all(r is not a for r in removed))
         self._cache.clear()
+        return dropped or bool(gone)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Params):
@@ -262,6 +302,12 @@ class Params:
         sources = self._sources[1:]
         return sources[0] if len(sources) == 1 else sources
 
+    def _rebound(self, source: Any) -> None:
+        """After `tg.update_` rebound arrays inside `source` (what `.source` gave): keep
+        the new arrays added on their own, which live in the list `.source` copied."""
+        if len(self._sources) > 2:
+            self._sources[1:] = source
+
     def __repr__(self) -> str:
         items = ", ".join(f"{n}: {describe_leaf(a)}" for n, a in self.named().items())
         return f"Params([{items}])"
@@ -338,7 +384,11 @@ def _names(paths: list[tuple[Any, ...]]) -> list[str]:
     `{"a": {"b": y}}`); a later one gets `#2`, `#3`, ... so that no parameter is
     dropped from a dict of names.
     """
-    names = [path_str(p) if p else str(k) for k, p in enumerate(paths)]
+    return distinct([path_str(p) if p else str(k) for k, p in enumerate(paths)])
+
+
+def distinct(names: list[str]) -> list[str]:
+    """`names` with each repeat renamed `name#2`, `name#3`, ... (a name not taken)."""
     taken = set(names)
     if len(taken) == len(names):
         return names
@@ -400,12 +450,21 @@ def _combine(a: Any, b: Any, op: Callable[[Any, Any], Any]) -> Any:
 
 
 def _check_scalar(c: Any, how: str) -> None:
-    if isinstance(c, (int, float, complex, np.generic, np.ndarray, jax.Array)) and not isinstance(
-        c, bool
-    ):
+    if isinstance(c, (int, float, complex, np.generic)) and not isinstance(c, bool):
         return
+    if isinstance(c, (np.ndarray, jax.Array)):
+        if c.ndim == 0:
+            return
+        # Broadcast into every gradient, a mask meant for one parameter would scale
+        # the others' columns: per-parameter work is what map is for.
+        raise TypeError(
+            f"Grads can be {how} by a scalar, got a {describe_leaf(c)} array, which would "
+            "broadcast into every gradient. For one parameter, use "
+            "grads.map(fn) or work on grads[p] (e.g. grads.map(lambda g: g * mask if "
+            "g.shape == mask.shape else g))."
+        )
     raise TypeError(
-        f"Grads can be {how} by a number or an array, got a {type(c).__name__} ({c!r:.40})."
+        f"Grads can be {how} by a number or a 0-d array, got a {type(c).__name__} ({c!r:.40})."
     )
 
 
@@ -485,6 +544,16 @@ class Grads(Mapping[Any, Any]):
     def __contains__(self, p: object) -> bool:
         return id(p) in self._lookup()
 
+    def __getstate__(self) -> tuple[Any, ...]:
+        # Not the id index: a copy (pickle, deepcopy) has new parameter objects.
+        return (self._params, self._grads, self._paths)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        params, grads, paths = state
+        self._params, self._grads, self._paths = params, grads, paths
+        self._names = None
+        self._index = None  # rebuilt on the first lookup, from the new objects' ids
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self._params)
 
@@ -499,20 +568,48 @@ class Grads(Mapping[Any, Any]):
         """A new `Grads` with `fn` applied to every gradient that is not `None`."""
         return Grads(self._params, [None if g is None else fn(g) for g in self._grads], self._paths)
 
-    def _check_same(self, other: Grads) -> None:
-        if len(other._params) != len(self._params) or any(
-            a is not b for a, b in zip(self._params, other._params, strict=True)
+    def _aligned(self, other: Grads) -> list[Any]:
+        """`other`'s gradients in this one's parameter order: the same set, any order
+        (Zygote's rule); a clear error naming the first difference otherwise."""
+        if len(other._params) == len(self._params) and all(
+            a is b for a, b in zip(self._params, other._params, strict=True)
         ):
-            raise ValueError(
-                "cannot combine Grads over different parameter sets "
-                f"({len(self)} vs {len(other)} parameters, or different arrays)."
+            return other._grads
+        index = other._lookup()
+        at = [index.get(id(p), -1) for p in self._params]
+        if len(other._params) == len(self._params) and -1 not in at:
+            return [other._grads[i] for i in at]
+        mine = {id(p) for p in self._params}
+        only_self = [
+            n for n, p in zip(self._names_list, self._params, strict=True) if id(p) not in index
+        ]
+        only_other = [
+            n for n, p in zip(other._names_list, other._params, strict=True) if id(p) not in mine
+        ]
+        msg = (
+            f"cannot combine Grads over different parameter sets ({len(self)} and "
+            f"{len(other)} parameters)"
+        )
+        replaced = sorted(set(only_self) & set(only_other))
+        if replaced:
+            msg += (
+                f": '{replaced[0]}' is a different array in each (it was replaced, by "
+                "tg.update_ or an assignment, between the two gradient calls). Combine "
+                "gradients taken for the same arrays, e.g. before the update."
             )
+        else:
+            if only_self:
+                msg += f": '{only_self[0]}' is only in the first"
+            if only_other:
+                msg += f"{';' if only_self else ':'} '{only_other[0]}' is only in the second"
+            msg += ". Take both for the same tg.params."
+        raise ValueError(msg)
 
     def _binary(self, other: Any, op: Callable[[Any, Any], Any]) -> Grads:
         if not isinstance(other, Grads):
             return NotImplemented
-        self._check_same(other)
-        grads = [_combine(a, b, op) for a, b in zip(self._grads, other._grads, strict=True)]
+        theirs = self._aligned(other)
+        grads = [_combine(a, b, op) for a, b in zip(self._grads, theirs, strict=True)]
         return Grads(self._params, grads, self._paths)
 
     def __add__(self, other: Any) -> Grads:

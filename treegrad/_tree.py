@@ -68,6 +68,19 @@ def first_difference(a: Any, b: Any) -> str | None:
     """Dotted path of the first place where two trees differ in structure."""
     pa = jax.tree_util.tree_flatten_with_path(a, is_leaf=is_none)[0]
     pb = jax.tree_util.tree_flatten_with_path(b, is_leaf=is_none)[0]
+    # A path in one tree only (an extra or a missing dict key) first, by name: in
+    # sorted order an extra key would shift the others and the first mismatch
+    # would name a key both trees have.
+    try:
+        in_a, in_b = dict(pa), dict(pb)
+    except TypeError:  # a foreign pytree's unhashable key: compare in order below
+        in_a = in_b = {}
+    for k, leaf in pa if in_b else ():
+        if k not in in_b or (leaf is None) != (in_b[k] is None):
+            return path_str(k) or "<root>"
+    for k, _ in pb if in_a else ():
+        if k not in in_a:
+            return path_str(k) or "<root>"
     for (ka, la), (kb, lb) in zip(pa, pb, strict=False):
         # A place that is None in one tree only (an attribute set to None) differs too.
         if ka != kb or (la is None) != (lb is None):
