@@ -283,6 +283,23 @@ class Pullback:
         return self._place(_BACK(self._back, arrays))
 
 
+def _pullback_flatten(p: Pullback) -> tuple[tuple[Any], tuple[Any, ...]]:
+    return (p._back,), (p._aux, tuple(p._shapes), p._place, p._none)
+
+
+def _pullback_unflatten(static: tuple[Any, ...], children: tuple[Any]) -> Pullback:
+    p = object.__new__(Pullback)
+    p._back = children[0]
+    p._aux, shapes, p._place, p._none = static
+    p._shapes = list(shapes)
+    return p
+
+
+# A pytree, like the function jax.vjp returns: `back` can leave a jax.jit (its
+# residuals are its leaves) and be passed into one.
+jax.tree_util.register_pytree_node(Pullback, _pullback_flatten, _pullback_unflatten)
+
+
 def _cotangent(d: Any, shape: tuple[int, ...], dtype: Any, k: int | None) -> Any:
     """The cotangent `d` given for one output array (the `k`-th), as jax.vjp takes it."""
     which = "" if k is None else f" {k}"
@@ -308,6 +325,17 @@ def _cotangent(d: Any, shape: tuple[int, ...], dtype: Any, k: int | None) -> Any
                 f"output{which} has dtype {dtype}; pass a value of that kind."
             )
         return jnp.asarray(d, dtype)
+    have = getattr(d, "dtype", None)
+    if have is not None and have != dtype:
+        # jax.vjp takes only the output's own dtype; a float32 dy for a float16 output
+        # is the same number at another precision, a complex one for a real output not.
+        if not np.can_cast(have, dtype, "same_kind"):
+            raise ValueError(
+                f"tg.pullback: the cotangent dy{which} has dtype {have} where the output{which} "
+                f"has dtype {dtype}; pass dy of the output's dtype (dy.astype({dtype}) if the "
+                "values are meant)."
+            )
+        return d.astype(dtype)
     return d
 
 
@@ -419,6 +447,9 @@ def hessian(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, ...]:
                 continue
             cols = iter(next(rows))
             inner = [next(cols) if t is DYN else None for t in statics]
-            outer.append(jax.tree_util.tree_unflatten(treedef, inner))
+            # The row of a leaf not differentiated (an int array, a tied array's later
+            # place) is None, like its gradient, not a tree of Nones.
+            row = None if all(b is None for b in inner) else inner
+            outer.append(None if row is None else jax.tree_util.tree_unflatten(treedef, row))
         out.append(jax.tree_util.tree_unflatten(treedef, outer))
     return tuple(out)

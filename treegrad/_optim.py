@@ -653,18 +653,26 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
     leaves, treedef, slots, uniq = trainable_slots(model)
     flat, unravel = jax.flatten_util.ravel_pytree(uniq)
 
-    def check(v: Any) -> None:
+    def check(v: Any) -> Any:
         if getattr(v, "shape", None) != flat.shape:
             raise ValueError(
                 f"destructure's rebuild expects a vector of shape {flat.shape}, got "
                 f"{getattr(v, 'shape', type(v).__name__)}"
             )
+        if jnp.iscomplexobj(v) and not jnp.iscomplexobj(flat):
+            raise TypeError(
+                f"destructure's rebuild got a complex vector ({v.dtype}) for a real model: "
+                "its imaginary part would be dropped. Pass jnp.real(v) if that is meant."
+            )
+        # Each array keeps its own dtype, whatever the vector's (as Flux's destructure):
+        # an int vector must not make the parameters int (they would get no gradient).
+        return v if v.dtype == flat.dtype else v.astype(flat.dtype)
 
     def parts(v: Any, uniq: list[Any]) -> Sequence[Any]:
         # Each array back on its own sharding: the pieces of `v` are slices of
         # one vector, which XLA lays out as it likes.
-        check(v)
-        return [keep(x, old) for x, old in zip(unravel(v), uniq, strict=True)]
+        pieces = unravel(check(v))
+        return [keep(x.astype(old.dtype), old) for x, old in zip(pieces, uniq, strict=True)]
 
     # `rebuild` is a jax.tree_util.Partial: the model's arrays it reads are its pytree
     # children, so a function differentiated or compiled through it (and jax.jit given

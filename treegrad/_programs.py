@@ -247,7 +247,10 @@ def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
 
 
 def _back(vjp: Any, dy: Any) -> list[Any]:
-    return [conj(g) for g in vjp(dy)]
+    # `dy` is in treegrad's convention (steepest ascent, the conjugate of jax's) and
+    # so are the results: conjugated on the way in and out, so that back(dy) of a
+    # complex output chains like tg.gradient of the composition.
+    return [conj(g) for g in vjp(jax.tree_util.tree_map(conj, dy))]
 
 
 @functools.lru_cache(maxsize=64)
@@ -271,12 +274,30 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
                 f"{entry.api}: the function must return one array, got {type(out).__name__}. "
                 "Return a single array (stack several outputs with jnp.stack)."
             )
+        if not jnp.issubdtype(out.dtype, jnp.inexact):
+            raise TypeError(
+                f"{entry.api}: the function returns a {out.dtype} array; a Jacobian needs a "
+                "floating-point or complex output (an integer or bool output has no "
+                "derivative). Return the value before it is rounded or compared, or cast it "
+                "(.astype(jnp.float32))."
+            )
         return out, (out, written)
 
     if active:
-        jacs, (y, written) = jax.jacrev(y_of, argnums=tuple(range(len(active))), has_aux=True)(
-            *[dyn[i] for i in active]
-        )
+        xs = [dyn[i] for i in active]
+        complex_out = jnp.iscomplexobj(jax.eval_shape(lambda *a: y_of(*a)[0], *xs))
+        if complex_out and any(map(jnp.iscomplexobj, xs)):
+            raise TypeError(
+                f"{entry.api}: the function returns a complex array and takes a complex "
+                "input; unless it is holomorphic, such a function has no complex Jacobian. "
+                "Take the Jacobians of jnp.real(f) and jnp.imag(f) (each with respect to "
+                "jnp.real and jnp.imag of the input), or, for a holomorphic f, "
+                "jax.jacrev(f, holomorphic=True)."
+            )
+        # A complex output of real inputs: dy/dx, complex, column by column (forward
+        # mode; jax.jacrev takes only real outputs).
+        jac = jax.jacfwd if complex_out else jax.jacrev
+        jacs, (y, written) = jac(y_of, argnums=tuple(range(len(active))), has_aux=True)(*xs)
         if not jnp.iscomplexobj(y):
             # A real output: each row is the gradient of one component, in
             # tg.gradient's convention for complex inputs (steepest ascent).
@@ -292,6 +313,13 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
     # options[1]: the groups of wrt positions (one per argument); each argument's
     # Hessian with respect to itself.
     groups = entry.arg_groups()
+    if any(jnp.iscomplexobj(dyn[i]) for i in entry.active):
+        raise TypeError(
+            f"{entry.api}: an argument holds a complex array; the Hessian of a real function "
+            "of a complex variable is not a complex matrix. Pass the real and imaginary "
+            "parts as separate real arguments (f(jax.lax.complex(x, y))) and take the "
+            "Hessian in those."
+        )
     call = _user(entry, fns, dyn, entry.active)
     loss, written = call(*[dyn[i] for i in entry.active])
     loss = scalar_loss(loss, entry.api)
@@ -308,13 +336,17 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             else ()
         )
         index = {p: k for k, p in enumerate(active)}
+        # A tied array (one input at several places): its block at its first place
+        # only, None at the others, as its gradient (blocks summed over places would
+        # count it again).
+        first = [group.index(p) == k for k, p in enumerate(group)]
         result.append(
             tuple(
                 tuple(
-                    None if i not in index or j not in index else h[index[i]][index[j]]
-                    for j in group
+                    h[index[i]][index[j]] if fi and fj and i in index and j in index else None
+                    for j, fj in zip(group, first, strict=True)
                 )
-                for i in group
+                for i, fi in zip(group, first, strict=True)
             )
         )
     entry.n_deps = 1

@@ -80,7 +80,11 @@ def mse(yhat: Any, y: Any) -> Any:
             f"tg.losses.mse: yhat has dtype {jnp.result_type(yhat)}; predictions must be "
             "floating point (a loss is differentiated): pass yhat.astype(jnp.float32)."
         )
-    return jnp.mean(optax.losses.squared_error(yhat, y))
+    if jnp.iscomplexobj(yhat) or jnp.iscomplexobj(y):
+        # Flux's mse, mean(abs2(yhat - y)): optax's squared_error takes real arrays only.
+        return jnp.mean(jnp.square(jnp.abs(jnp.asarray(yhat) - y)))
+    # `_pair` made sure y broadcasts to yhat's shape; optax wants the shapes equal.
+    return jnp.mean(optax.losses.squared_error(yhat, jnp.broadcast_to(y, jnp.shape(yhat))))
 
 
 def mae(yhat: Any, y: Any) -> Any:
@@ -119,8 +123,12 @@ def huber(yhat: Any, y: Any, delta: float = 1.0) -> Any:
         Array(1.3125, dtype=float32)
     """
     _pair("tg.losses.huber", yhat, y)
-    if isinstance(delta, (int, float)) and not delta > 0:
-        raise ValueError(f"tg.losses.huber: delta must be positive, got {delta}.")
+    try:
+        d = np.asarray(delta, dtype=float)
+    except jax.errors.TracerArrayConversionError:  # traced (a schedule): unchecked
+        d = None
+    if d is not None and (d.ndim != 0 or not d > 0):
+        raise ValueError(f"tg.losses.huber: delta must be positive (a scalar), got {delta}.")
     return jnp.mean(optax.losses.huber_loss(yhat, y, delta=delta))
 
 
@@ -179,7 +187,7 @@ def crossentropy(probs: Any, y: Any, eps: float = 1e-7) -> Any:
     Arguments:
         probs: class probabilities, classes on the last axis.
         y: integer labels, or one-hot targets.
-        eps: probabilities are clipped to `[eps, 1]` before the log.
+        eps: probabilities below `eps` are raised to it before the log.
 
     Returns:
         A scalar.
@@ -193,7 +201,10 @@ def crossentropy(probs: Any, y: Any, eps: float = 1e-7) -> Any:
     integer = _integer_labels(api, "probs", probs, y)
     # The probabilities as given (Flux's crossentropy): a softmax of their log would
     # renormalise them, and the loss of [0.2, 0.2, 0.2] would be log 3, not -log 0.2.
-    logp = jnp.log(jnp.clip(probs, eps, 1.0))
+    # Raised to eps with `where`, not clipped to [eps, 1]: at a probability of exactly
+    # 1 (or eps), a clip's tie would halve the gradient of the log.
+    probs = jnp.asarray(probs)
+    logp = jnp.log(jnp.where(probs < eps, eps, probs))
     if integer:
         picked = jnp.take_along_axis(logp, jnp.asarray(y)[..., None], axis=-1)[..., 0]
         return -jnp.mean(picked)
