@@ -882,3 +882,35 @@ def test_unhashable_static_edited_in_place_is_read_fresh():
     value, (g,) = tg.withgradient(f, m)
     assert float(value) == 12.0
     close(g["w"], [6.0, 6.0])
+
+
+class _Box:
+    def __init__(self, v):
+        self.v = v
+
+
+@jax.tree_util.register_pytree_node_class
+class _Wrapping:
+    """A foreign pytree without keys that keeps its child inside a plain (non-pytree) object."""
+
+    def __init__(self, w):
+        self.box = _Box(w)
+
+    def tree_flatten(self):
+        return (self.box.v,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0])
+
+
+def test_implicit_gradient_through_a_pytree_that_wraps_its_child():
+    w = jnp.array([1.0, 2.0])
+    h = _Wrapping(w)
+    f = lambda: jnp.sum(h.box.v**2)
+    grads = tg.gradient(f, tg.Params([w]))
+    close(grads[w], [2.0, 4.0])
+    assert h.box.v is w  # put back as it was
+    h.box.v = w * 3  # read fresh
+    grads = tg.gradient(f, tg.Params([h.box.v]))
+    close(grads[h.box.v], [6.0, 12.0])

@@ -50,7 +50,8 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             # Variable, set inside a trace it was not made in (TraceContextError).
             # Its unflatten is the sanctioned way to build one: the node takes the
             # contents of a copy with the new child, and stays the same object.
-            _take_contents(node, _with_child(node, key, value), {id(value)})
+            new = {id(leaf) for leaf in jax.tree_util.tree_leaves(value)}
+            _take_contents(node, _with_child(node, key, value), new)
         return node
     if isinstance(key, DictKey):
         node[key.key] = value
@@ -232,13 +233,15 @@ def _become(node: Any, changed: dict[int, Any], found: set[int]) -> None:
     """Give `node` the new leaves, through a copy of itself rebuilt with them."""
     leaves, treedef = jax.tree_util.tree_flatten(node)
     new_leaves = []
+    mine: set[int] = set()
     for leaf in leaves:
         new = changed.get(id(leaf))
         if new is not None:
             found.add(id(leaf))
+            mine.add(id(new))
         new_leaves.append(leaf if new is None else new)
     copy = jax.tree_util.tree_unflatten(treedef, new_leaves)
-    _take_contents(node, copy, {id(changed[k]) for k in found})
+    _take_contents(node, copy, mine)
 
 
 def _with_child(node: Any, key: Any, value: Any) -> Any:
@@ -250,32 +253,46 @@ def _with_child(node: Any, key: Any, value: Any) -> Any:
 
 
 def _take_contents(node: Any, copy: Any, new: set[int]) -> None:
-    """Set on `node` each attribute of `copy` (a new one of its type) that holds a new
-    value (by id in `new`); the others stay `node`'s own. Bookkeeping its unflatten made
-    afresh (flax nnx's trace state, made inside a trace) would be wrong outside."""
+    """Give `node` the contents of `copy` (a new one of its type, holding the new leaves
+    whose ids are `new`): the attributes that hold them, the others staying `node`'s
+    own, since bookkeeping an unflatten makes afresh (flax nnx's trace state, made
+    inside a trace) would be wrong outside. When that does not bring every new leaf
+    in (a class that wraps its children), every attribute is taken."""
     if type(copy) is not type(node):
         raise TypeError(f"cannot update a {type(node).__name__} in place")
 
     def holds(x: Any) -> bool:
-        return id(x) in new or any(id(leaf) in new for leaf in jax.tree_util.tree_leaves(x))
+        return any(id(leaf) in new for leaf in jax.tree_util.tree_leaves(x))
 
-    # The instance dict itself, not through getattr: a class that forwards unknown
-    # attributes (nnx's Variable, to its value) would hand back someone else's.
-    if type(node).__dictoffset__:
-        mine = object.__getattribute__(node, "__dict__")
-        for name, x in object.__getattribute__(copy, "__dict__").items():
-            if holds(x):
-                mine[name] = x
-    for klass in type(node).__mro__:
-        for name in vars(klass).get("__slots__", ()):
-            if name in ("__dict__", "__weakref__"):
-                continue
-            try:
-                x = object.__getattribute__(copy, name)
-            except AttributeError:
-                continue
-            if holds(x):
-                object.__setattr__(node, name, x)
+    def attributes(obj: Any) -> list[tuple[str, Any, bool]]:
+        # The instance dict itself, not through getattr: a class that forwards unknown
+        # attributes (nnx's Variable, to its value) would hand back someone else's.
+        out = []
+        if type(obj).__dictoffset__:
+            out += [(k, v, False) for k, v in object.__getattribute__(obj, "__dict__").items()]
+        for klass in type(obj).__mro__:
+            for name in vars(klass).get("__slots__", ()):
+                if name not in ("__dict__", "__weakref__"):
+                    try:
+                        out.append((name, object.__getattribute__(obj, name), True))
+                    except AttributeError:
+                        continue
+        return out
+
+    def put(name: str, value: Any, slot: bool) -> None:
+        if slot:
+            object.__setattr__(node, name, value)
+        else:
+            object.__getattribute__(node, "__dict__")[name] = value
+
+    taken = attributes(copy)
+    for name, value, slot in taken:
+        if holds(value):
+            put(name, value, slot)
+    now = {id(leaf) for leaf in jax.tree_util.tree_leaves(node)}
+    if not new or not new <= now:
+        for name, value, slot in taken:
+            put(name, value, slot)
 
 
 _OPAQUE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, str, int, float)
