@@ -24,6 +24,7 @@ from . import _engine as E
 from . import _programs as P
 from ._outputs import DYN
 from ._params import Grads, NoGradientError, NoGradientWarning, Params
+from ._shard import different_devices, several_devices
 from ._tree import path_str, user_stacklevel
 from ._typing import GradientTree, PyTree
 
@@ -109,7 +110,25 @@ def _describe(f: Any) -> str:
 
 
 def _explicit(program: str, api: str, f: Any, args: tuple[Any, ...], options: Any) -> Any:
-    return E.execute(program, api, options, (f,), args)
+    try:
+        return E.execute(program, api, options, (f,), args)
+    except ValueError as e:
+        if several_devices():  # jax's error names the program's inputs, not the arguments'
+            different_devices(api, _named_leaves(args), e)
+        raise
+
+
+def _named_leaves(args: tuple[Any, ...]) -> list[tuple[str, Any]]:
+    """Each leaf of the arguments, described for a message: `'l1.weight'`, `argument 1`."""
+    out = []
+    for i, arg in enumerate(args):
+        for path, x in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            name = path_str(path)
+            if len(args) == 1:
+                out.append((repr(name or "<root>"), x))
+            else:
+                out.append((f"{name!r} of argument {i}" if name else f"argument {i}", x))
+    return out
 
 
 class _Implicit:
@@ -119,7 +138,12 @@ class _Implicit:
 
     def __init__(self, program: str, api: str, f: Any, ps: Params, options: Any):
         self.arrays, self.paths = ps._read()
-        self.entry, self.out = E.execute(program, api, options, (f,), (), params=self.arrays)
+        try:
+            self.entry, self.out = E.execute(program, api, options, (f,), (), params=self.arrays)
+        except ValueError as e:
+            if several_devices():
+                different_devices(api, ((repr(k), a) for k, a in ps.named().items()), e)
+            raise
 
     def place(self, values: Any) -> list[Any]:
         """One value per registered parameter: its result, or None where it has none."""

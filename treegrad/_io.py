@@ -60,7 +60,7 @@ import jax
 import numpy as np
 
 from . import _manifest
-from ._manifest import Manifest, ManifestError, Target
+from ._manifest import Manifest, ManifestError, Target, display
 from ._typing import PyTree
 
 _MANIFEST = "treegrad.json"
@@ -312,7 +312,9 @@ def load(path: str | os.PathLike[str], like: PyTree) -> PyTree:
         CheckpointError: `path` is not a valid, complete treegrad checkpoint
             (damaged, truncated, edited, foreign, or an unfinished save).
         ValueError: the checkpoint does not fit `like`; the message names the
-            first differing path, with its shape and dtype in each.
+            first differing path, with its shape and dtype in each. Also when
+            `like` gives the paths of a tied array (one stored array)
+            different shardings, naming both.
         FileNotFoundError: nothing is at `path`.
 
     Examples:
@@ -332,6 +334,7 @@ def load(path: str | os.PathLike[str], like: PyTree) -> PyTree:
         raise _invalid(folder, f"it is {_sniff(folder)}, and tg.save writes a folder")
     m = _read_manifest(folder)
     targets, rebuild = _manifest.match(m, like, str(folder))
+    _one_placement(targets, like)
     _verify_files(folder, m)
     restored = _restore(folder, m, targets)
     new: list[Any] = []
@@ -419,6 +422,25 @@ def _sharding(leaf: Any) -> Any:
     if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
         return leaf.sharding
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _one_placement(targets: list[Any], like: Any) -> None:
+    """A stored tied array is restored as one array: its `like` places must agree on
+    its sharding (else the first would silently win)."""
+    first: dict[int, tuple[int, Any]] = {}
+    for k, t in enumerate(targets):
+        if not isinstance(t, Target) or _is_numpy(t.leaf):
+            continue
+        s = _sharding(t.leaf)
+        j, s0 = first.setdefault(t.array, (k, s))
+        if s is s0 or s == s0 or s0.is_equivalent_to(s, len(t.leaf.shape)):
+            continue
+        names = [display(path) for _, path, _ in _manifest.leaves_with_keys(like)]
+        raise ValueError(
+            f"tg.load: '{names[j]}' and '{names[k]}' are one (tied) array in the checkpoint, "
+            f"but `like` places them differently ({s0} and {s}); it is restored as one array "
+            "with one placement. Give both paths the same sharding in `like`."
+        )
 
 
 def _restore(folder: Path, m: Manifest, targets: list[Any]) -> dict[tuple[int, bool], Any]:

@@ -35,7 +35,7 @@ from ._optstep import BadGradient, step, step_donating
 from ._optview import Leaf, OptState, SubState, rule_name
 from ._params import Grads, Params
 from ._paths import rebind
-from ._shard import keep, placements, several_devices
+from ._shard import keep, placements, several_devices, state_on_other_devices
 from ._tree import describe_leaf, first_difference, is_none, tree_map_shared, unique_by_id
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -314,6 +314,8 @@ def _run(
         raise ValueError(f"{api}: {e}") from None
     except (TypeError, ValueError) as e:
         # Checked only once the step failed: a per-step check would cost every step.
+        if several_devices():
+            state_on_other_devices(state, params, g, api, e)
         _check_avals(config, params, api, e)
         raise
     new_params = list(params)

@@ -15,22 +15,31 @@ traced program by shapes and dtypes only, so a constraint baked in for one
 placement would be stale for another), and constrains each gradient to its
 input's sharding. Tracers of a program in flight are mapped back to the
 concrete sharding of their input (`tracing`), so a gradient or optimiser step
-taken inside `tg.jit` is constrained the same way. On `Explicit` axes the
+taken inside `tg.jit` is constrained the same way, and so are tracers that
+`tg.shard` placed inside any trace (`_learn`). On `Explicit` axes the
 sharding is part of the type and jax keeps it itself: nothing is added.
+
+What cannot be kept: inside the user's own `jax.jit` on `Auto` axes, an
+input's placement is not visible (`jax.typeof(x).sharding` of an input placed
+`P("data", None)` reads `P(None, None)` in jax 0.10, and `x.sharding` raises
+on a tracer), so its gradient is left to XLA, replicated as with `jax.grad`.
+There, compile with `tg.jit`, use `Explicit` axes, or `tg.shard` the model
+inside the function.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from ._tree import describe_leaf, path_str
+from ._tree import describe_leaf, path_str, unique_by_id
 
 _SPECS = (Sharding, PartitionSpec)
 DATA = PartitionSpec("data")
@@ -38,7 +47,8 @@ DATA = PartitionSpec("data")
 # --- keeping layouts (used by the engine, the optimiser and destructure) ---------------
 
 _SEVERAL: list[bool] = []
-# id of a tracer of a program being traced -> the concrete sharding of its input.
+# id of a tracer of a program being traced -> the concrete sharding of its input,
+# or the sharding `tg.shard` gave it inside the trace.
 _KNOWN: dict[int, NamedSharding] = {}
 
 
@@ -105,6 +115,20 @@ def tracing(tracers: Sequence[Any], placed: tuple[Any, ...] | None) -> Iterator[
             _KNOWN.pop(k, None)
 
 
+def _learn(t: Any, s: Sharding) -> None:
+    """Tracer `t` (from `tg.shard` inside a trace) stands for an array placed as `s`.
+
+    A gradient taken of it later in the trace (`tg.jit`'s or the user's own
+    `jax.jit`) is then constrained to `s` (`placements`). The entry leaves
+    with the tracer: a weak reference's callback runs before its id can name
+    another object.
+    """
+    auto = _auto(s)
+    if auto is not None:
+        _KNOWN[id(t)] = auto
+        weakref.finalize(t, _KNOWN.pop, id(t), None)
+
+
 def constrain(x: Any, s: Sharding | None) -> Any:
     """`x` constrained to `s` inside a trace (None: left to XLA)."""
     return x if s is None else jax.lax.with_sharding_constraint(x, s)
@@ -161,7 +185,87 @@ def _traced(x: Any, s: Sharding) -> Any:
     """A tracer placed on `s`: a constraint, or on `Explicit` axes (part of the type) a reshard."""
     if isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types:
         return jax.sharding.reshard(x, s)
-    return jax.lax.with_sharding_constraint(x, s)
+    out = jax.lax.with_sharding_constraint(x, s)
+    _learn(out, s)
+    return out
+
+
+# --- arrays on different devices (diagnosed once a step has failed) -----------------
+
+
+def _devices(x: Any) -> frozenset[Any] | None:
+    """The devices a committed array lives on (None: a tracer, numpy, or uncommitted,
+    which jax moves where it is needed)."""
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, Sharding) or not getattr(x, "committed", True):
+        return None
+    return frozenset(s.device_set)
+
+
+def _on(devices: frozenset[Any]) -> str:
+    ids = sorted(d.id for d in devices)
+    if len(ids) == 1:
+        return f"device {ids[0]}"
+    run = ids == list(range(ids[0], ids[-1] + 1))
+    return f"{len(ids)} devices ({f'ids {ids[0]}-{ids[-1]}' if run else f'ids {ids}'})"
+
+
+def different_devices(api: str, named: Iterable[tuple[str, Any]], error: Exception) -> None:
+    """Raise naming two arrays of a failed call that live on different devices
+    (`named`: each array with its description in a message, e.g. a quoted path).
+
+    Called only after jax refused the call (its error names the compiled
+    program's inputs, `dyn[0]`, not the user's paths), so a call that works
+    costs nothing.
+    """
+    first: tuple[str, frozenset[Any]] | None = None
+    for name, x in named:
+        d = _devices(x)
+        if d is None:
+            continue
+        if first is None:
+            first = (name, d)
+        elif d != first[1]:
+            raise ValueError(
+                f"{api}: {first[0]} is on {_on(first[1])} but {name} on {_on(d)}; one "
+                "computation needs all its arrays on the same devices. Place them together, "
+                "e.g. tg.shard(model, rules, mesh=mesh) (rules matching no array leave it "
+                "where it is, so give every array a placement: P() replicates it), or "
+                "jax.device_put."
+            ) from error
+
+
+def state_on_other_devices(
+    state: Any, params: Sequence[Any], grads: Sequence[Any], api: str, error: Exception
+) -> None:
+    """After a failed optimiser step: name a state entry or gradient on other devices
+    than its parameter (jax's error names `_step_impl`'s inputs)."""
+    config = state._config
+    path = [config.paths[config.first[u]] for u in range(config.n)]
+    different_devices(api, zip(map(repr, path), params, strict=True), error)
+    on = [_devices(p) for p in params]
+    shared = next((d for d in on if d is not None), None)
+    for j, (x, u) in enumerate(zip(state._leaves, _state_owners(config), strict=True)):
+        d, want = _devices(x), (shared if u < 0 else on[u])
+        if d is None or want is None or d == want:
+            continue
+        whose = f"the optimiser state of {path[u]!r}" if u >= 0 else "the shared optimiser state"
+        raise ValueError(
+            f"{api}: {whose} ({config.names[j]}) is on {_on(d)} but the parameter"
+            f"{'' if u >= 0 else 's'} on {_on(want)}: the state was set up (or loaded) for "
+            "the model placed elsewhere. Set it up again for the placed model, "
+            "tg.setup(rule, model), or place "
+            "it as the model is: tg.shard(state, rules, mesh=mesh) with the model's rules."
+        ) from error
+    for g, u in zip(grads, config.tslot, strict=True):
+        d = None if g is None else _devices(g)
+        if d is not None and on[u] is not None and d != on[u]:
+            raise ValueError(
+                f"{api}: the gradient of {path[u]!r} is on {_on(d)} but the parameter on "
+                f"{_on(on[u])}. Take the gradient of the placed model (tg.gradient places "
+                "each gradient like its parameter), or place the gradients like the model "
+                "(tg.shard, jax.device_put)."
+            ) from error
 
 
 # --- tg.shard ------------------------------------------------------------------------
@@ -176,10 +280,7 @@ def _is_spec(x: Any) -> bool:
 
 
 def _mesh_for(mesh: Any, api: str) -> Mesh | None:
-    if mesh is None:
-        ctx = jax.sharding.get_mesh()
-        return None if ctx.empty else ctx
-    if not isinstance(mesh, Mesh):
+    if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(
             f"{api}: mesh must be a jax.sharding.Mesh, got {mesh!r:.60}; build one "
             "with jax.make_mesh((2, 4), ('data', 'model'))."
@@ -187,20 +288,43 @@ def _mesh_for(mesh: Any, api: str) -> Mesh | None:
     return mesh
 
 
-def _sharding(spec: Any, mesh: Mesh | None, api: str) -> Sharding | None:
+def _context_mesh() -> Mesh | AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (None: none is): concrete outside a trace, abstract
+    inside one, where `jax.sharding.get_mesh` raises and constraints take the abstract mesh."""
+    try:
+        ctx: Mesh | AbstractMesh = jax.sharding.get_mesh()
+    except ValueError:
+        ctx = jax.sharding.get_abstract_mesh()
+    return None if ctx.empty else ctx
+
+
+def _sharding(spec: Any, mesh: Any, api: str, where: str | None = None) -> Sharding | None:
+    """`spec` as a Sharding on `mesh` (a Mesh, an AbstractMesh, or None: the context's)."""
     if spec is None or isinstance(spec, Sharding):
         return spec
+    if mesh is None:
+        mesh = _context_mesh()
     if mesh is None:
         raise ValueError(
             f"{api}: {spec} is a PartitionSpec, which needs a mesh: pass mesh=... (e.g. "
             "mesh=jax.make_mesh((8,), ('data',))), give a NamedSharding(mesh, spec), or call "
             "inside `with jax.set_mesh(mesh):`."
         )
-    missing = [a for a in _axes(spec) if a not in mesh.axis_names]
+    axes = _axes(spec)
+    missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(
             f"{api}: {spec} names the axis {missing[0]!r}, which the mesh lacks; its axes are "
             f"{tuple(mesh.axis_names)}."
+        )
+    twice = next((a for k, a in enumerate(axes) if a in axes[:k]), None)
+    if twice is not None:
+        # jax raises its DuplicateSpecError, which is not a ValueError and names no path.
+        at = f" for {where!r}" if where else ""
+        raise ValueError(
+            f"{api}: {spec}{at} names the axis {twice!r} twice; a mesh axis splits at most one "
+            "dimension. Name it in one entry only (a tuple entry, P(('data', 'model')), splits "
+            "one dimension over several axes; None replicates a dimension)."
         )
     return NamedSharding(mesh, spec)
 
@@ -212,6 +336,22 @@ def _axes(spec: PartitionSpec) -> list[str]:
             out.append(entry)
         elif isinstance(entry, tuple):
             out.extend(a for a in entry if isinstance(a, str))
+    return out
+
+
+def _resolve(specs: Sequence[Any], paths: Sequence[str], mesh: Any, api: str) -> list[Any]:
+    """Each spec as a Sharding (None stays None); one resolution per distinct spec."""
+    done: dict[Any, Any] = {}
+    out = []
+    for spec, path in zip(specs, paths, strict=True):
+        if spec is None or isinstance(spec, Sharding):
+            out.append(spec)
+            continue
+        if spec not in done:
+            if mesh is None:
+                mesh = _context_mesh()
+            done[spec] = _sharding(spec, mesh, api, path)
+        out.append(done[spec])
     return out
 
 
@@ -267,13 +407,34 @@ def _by_rules(
     unused = [r for r in rules if r not in used]
     if unused:
         shown = [p for p, a in zip(paths, arrays, strict=True) if a]
-        listing = ", ".join(shown[:8]) + (f" (and {len(shown) - 8} more)" if len(shown) > 8 else "")
-        raise ValueError(
-            f"{api}: the rule {unused[0]!r} matches no array of the tree; rules are dotted "
-            f"paths as in tg.params(model).named(), with * for one component (e.g. "
-            f"'layers.*.weight'). The tree's array paths: {listing or 'none'}."
-        )
+        _unused_rule(unused[0], compiled, shown, api)
     return out
+
+
+def _unused_rule(rule: str, compiled: list[Any], shown: list[str], api: str) -> None:
+    """Raise for a rule that places nothing: shadowed by earlier rules, or matching no path."""
+    pattern = next(p for r, p, _ in compiled if r == rule)
+    matched = [p for p in shown if pattern.fullmatch(p)]
+    if matched:
+        earlier = []
+        for r, p, _ in compiled:
+            if r == rule:
+                break
+            if any(p.fullmatch(path) for path in matched):
+                earlier.append(r)
+        names = ", ".join(map(repr, earlier))
+        raise ValueError(
+            f"{api}: the rule {rule!r} is shadowed: every array it matches ({matched[0]!r}"
+            f"{f' and {len(matched) - 1} more' if len(matched) > 1 else ''}) is matched first "
+            f"by the earlier rule(s) {names} (the first matching rule wins), so it places "
+            "nothing. Remove it, or move it before them."
+        )
+    listing = ", ".join(shown[:8]) + (f" (and {len(shown) - 8} more)" if len(shown) > 8 else "")
+    raise ValueError(
+        f"{api}: the rule {rule!r} matches no array of the tree; rules are dotted "
+        f"paths as in tg.params(model).named(), with * for one component (e.g. "
+        f"'layers.*.weight'). The tree's array paths: {listing or 'none'}."
+    )
 
 
 def by_prefix(spec: Any, tree: Any, api: str) -> list[Any]:
@@ -300,20 +461,99 @@ def by_prefix(spec: Any, tree: Any, api: str) -> list[Any]:
     return out
 
 
-def _state_paths(state: Any) -> tuple[list[str], list[bool]]:
-    """For each optimiser state leaf: its parameter's model path, or its own name if shared."""
+def _state_owners(config: Any) -> list[int]:
+    """For each optimiser state leaf: the parameter it belongs to, or -1 if shared by all."""
+    owners: list[int] = []
+    for part in config.parts:
+        owners.extend(part.leaf_ids[local] if local >= 0 else -1 for local in part.statemap)
+    return owners
+
+
+def _one_per_place(
+    shardings: list[Any],
+    slots: Sequence[int],
+    n: int,
+    paths: Sequence[str],
+    ndims: Sequence[int],
+    api: str,
+) -> tuple[list[Any], list[str]]:
+    """One sharding per object from the shardings of its places (`slots[k]`: the object at
+    place `k`), and the path that gave it; a tied array's places must agree."""
+    chosen: list[Any] = [None] * n
+    where = [""] * n
+    for s, u, path, ndim in zip(shardings, slots, paths, ndims, strict=True):
+        if s is None or u < 0:
+            continue
+        prev = chosen[u]
+        if prev is None:
+            chosen[u], where[u] = s, path
+        elif prev != s and not prev.is_equivalent_to(s, ndim):
+            raise ValueError(
+                f"{api}: {where[u]!r} and {path!r} are one (tied) array, but the spec places "
+                f"them differently ({prev} and {s}); one array has one placement. Give both "
+                "paths the same spec, or a rule for one of them only."
+            )
+    return chosen, where
+
+
+def _place_checked(x: Any, s: Sharding, path: str, api: str) -> Any:
+    problem = _misfit(tuple(x.shape), s)
+    if problem:
+        raise ValueError(
+            f"{api}: cannot place {path!r} ({describe_leaf(x)}) with {s}: {problem}. "
+            "Change its spec (or the rule that matched it), e.g. P() to replicate it."
+        )
+    return _place(x, s)
+
+
+def _replicated(s: Sharding) -> Sharding:
+    return NamedSharding(s.mesh, PartitionSpec()) if isinstance(s, NamedSharding) else s
+
+
+def _place_state(state: Any, spec: Any, mesh: Mesh | None, api: str) -> list[Any]:
+    """The leaves of an optimiser state placed as `tg.setup` places them for a model
+    placed by `spec`: each parameter's entries of its shape on its placement, the
+    others (shared scalars, factored moments) replicated on its mesh."""
     config = state._config
-    paths, shared = [], []
-    for k, part in enumerate(config.parts):
-        names = config.names[config.offsets[k] : config.offsets[k + 1]]
-        for local, name in zip(part.statemap, names, strict=True):
-            if local >= 0:
-                paths.append(config.paths[config.first[part.leaf_ids[local]]])
-                shared.append(False)
-            else:
-                paths.append(name)
-                shared.append(True)
-    return paths, shared
+    if _is_rules(spec):
+        # Matched against every place of the model, as tg.shard(model, rules) would
+        # be: a rule for parameters with no state entries (masked, plain sgd) is fine.
+        per_place = _by_rules(spec, config.paths, [True] * len(config.paths), api)
+    elif _is_spec(spec):
+        per_place = [spec] * len(config.paths)
+    else:
+        raise TypeError(
+            f"{api}: place an optimiser state with one Sharding or PartitionSpec, or with path "
+            "rules (matched against its parameters' paths); or set it up from the placed "
+            "model: tg.setup(rule, tg.shard(model, ...))."
+        )
+    ndims = [len(config.avals[u][0]) if u >= 0 else 0 for u in config.slots]
+    shardings = _resolve(per_place, config.paths, mesh, api)
+    by_param, where = _one_per_place(shardings, config.slots, config.n, config.paths, ndims, api)
+    named = [s for s in by_param if isinstance(s, NamedSharding)]
+    on = mesh if mesh is not None else named[0].mesh if named else None
+    shared = None if on is None else NamedSharding(on, PartitionSpec())
+    leaves = state._leaves
+    out = []
+    for x, u in zip(leaves, _state_owners(config), strict=True):
+        if not _is_array(x):
+            out.append(x)
+        elif u >= 0 and tuple(x.shape) == tuple(config.avals[u][0]):
+            s = by_param[u]
+            out.append(x if s is None else _place_checked(x, s, where[u], api))
+        else:
+            # As tg.setup: shared entries, and entries of another shape than their
+            # parameter's (factored moments), replicated on the mesh, even for a
+            # parameter left where it is.
+            s = shared if u < 0 or by_param[u] is None else _replicated(by_param[u])
+            out.append(x if s is None else _place(x, s))
+    return _shared_once(leaves, out)
+
+
+def _shared_once(before: list[Any], after: list[Any]) -> list[Any]:
+    """`after`, with one object wherever `before` had one object at several places."""
+    seen: dict[int, Any] = {}
+    return [seen.setdefault(id(b), a) for b, a in zip(before, after, strict=True)]
 
 
 def shard(tree: Any, spec: Any, *, mesh: Mesh | None = None) -> Any:
@@ -321,9 +561,14 @@ def shard(tree: Any, spec: Any, *, mesh: Mesh | None = None) -> Any:
 
     Outside a trace each array is `jax.device_put` on its sharding; inside
     one (`tg.jit`, `jax.jit`) it is constrained with
-    `jax.lax.with_sharding_constraint`. A `jax.ShapeDtypeStruct` leaf (from
-    `jax.eval_shape`) gets the sharding in its type, which makes an abstract
-    model to `tg.load` into. Leaves that are not arrays are left alone.
+    `jax.lax.with_sharding_constraint`, and a gradient taken of the result
+    later in the trace keeps that placement (in `tg.jit` and in your own
+    `jax.jit`, where the layout of the inputs cannot be read on `Auto` axes:
+    see docs/scaling.md). A `jax.ShapeDtypeStruct`
+    leaf (from `jax.eval_shape`) gets the sharding in its type, which makes
+    an abstract model to `tg.load` into. Leaves that are not arrays are left
+    alone. A tied array (one array object at several places) is placed once,
+    so its places stay one object.
 
     Arguments:
         tree: any pytree: a model, a `tg.OptState`, a batch.
@@ -336,20 +581,32 @@ def shard(tree: Any, spec: Any, *, mesh: Mesh | None = None) -> Any:
               against the dotted paths of `tg.params(model).named()`: `*`
               stands for one path component, a rule covers everything under
               the path it names, the first matching rule wins, and arrays no
-              rule matches are left as they are. For a `tg.OptState` the rules
-              are matched against the paths of the parameters each entry
-              belongs to, and entries shared by all parameters (the step
-              count) are replicated on the mesh.
+              rule matches are left as they are. A rule that places nothing
+              (matching no array, or only arrays an earlier rule matches) is
+              an error.
+            For a `tg.OptState` (one spec or rules) the state is placed as
+            `tg.setup` places it for the model placed with the same spec:
+            the rules are matched against the model's paths, each
+            parameter's entries of its shape take its placement, and the
+            rest (shared scalars such as the step count, factored moments)
+            is replicated on the mesh.
         mesh: the `jax.sharding.Mesh` for PartitionSpecs; default: the mesh
-            set by `jax.set_mesh`, if any.
+            set by `jax.set_mesh`, if any (inside a trace, its abstract mesh).
 
     Returns:
-        The tree with every array placed (a new tree; the input is unchanged).
+        The tree with every array placed (a new tree; the input tree is not
+        modified). As with `jax.device_put`, a placed array may share memory
+        with the input array (one already placed so; a replicated placement
+        keeps the input's buffer on its device): donating the result (e.g.
+        `tg.update(..., donate=True)`) then deletes the input too. Place a
+        copy (`jax.tree_util.tree_map(jnp.copy, model)`) to keep using the
+        input after donating.
 
     Raises:
-        ValueError: a rule matching no array, a spec that does not fit an
+        ValueError: a rule placing nothing, a spec that does not fit an
             array's shape (naming its path), a PartitionSpec without a mesh,
-            or an axis the mesh lacks.
+            an axis the mesh lacks or named twice, or two different specs for
+            the places of one tied array.
         TypeError: a spec that is none of the above.
 
     Examples:
@@ -362,46 +619,30 @@ def shard(tree: Any, spec: Any, *, mesh: Mesh | None = None) -> Any:
         P('model', None)
     """
     api = "tg.shard"
-    m = _mesh_for(mesh, api)
+    given = _mesh_for(mesh, api)
     from ._optview import OptState
 
+    if isinstance(tree, OptState):
+        treedef = jax.tree_util.tree_structure(tree)
+        return jax.tree_util.tree_unflatten(treedef, _place_state(tree, spec, given, api))
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [x for _, x in flat]
+    paths = [path_str(p) or "<root>" for p, _ in flat]
     arrays = [_is_array(x) for x in leaves]
-    shared: list[bool] = [False] * len(leaves)
-    if isinstance(tree, OptState):
-        paths, shared = _state_paths(tree)
-    else:
-        paths = [path_str(p) or "<root>" for p, _ in flat]
     if _is_rules(spec):
         per_leaf = _by_rules(spec, paths, arrays, api)
-    elif isinstance(tree, OptState) and not _is_spec(spec):
-        raise TypeError(
-            f"{api}: place an optimiser state with one Sharding or PartitionSpec, or with path "
-            "rules (matched against its parameters' paths); or set it up from the placed "
-            "model: tg.setup(rule, tg.shard(model, ...))."
-        )
     else:
         per_leaf = by_prefix(spec, tree, api)
-    shardings = [_sharding(s, m, api) for s in per_leaf]
-    if any(shared):
-        mesh_here = m or next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-        if mesh_here is not None:
-            rep = NamedSharding(mesh_here, PartitionSpec())
-            shardings = [rep if sh else s for s, sh in zip(shardings, shared, strict=True)]
-    out = []
-    for x, s, path, is_array in zip(leaves, shardings, paths, arrays, strict=True):
-        if s is None or not is_array:
-            out.append(x)
-            continue
-        problem = _misfit(tuple(x.shape), s)
-        if problem:
-            raise ValueError(
-                f"{api}: cannot place {path!r} ({describe_leaf(x)}) with {s}: {problem}. "
-                "Change its spec (or the rule that matched it), e.g. P() to replicate it."
-            )
-        out.append(_place(x, s))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    per_leaf = [s if a else None for s, a in zip(per_leaf, arrays, strict=True)]
+    shardings = _resolve(per_leaf, paths, given, api)
+    uniq, slots = unique_by_id(leaves)
+    ndims = [len(x.shape) if a else 0 for x, a in zip(leaves, arrays, strict=True)]
+    by_object, where = _one_per_place(shardings, slots, len(uniq), paths, ndims, api)
+    placed = [
+        x if s is None else _place_checked(x, s, path, api)
+        for x, s, path in zip(uniq, by_object, where, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, [placed[u] for u in slots])
 
 
 def _place(x: Any, s: Sharding) -> Any:
@@ -428,14 +669,17 @@ def shard_batch(local_batch: Any, mesh: Mesh, spec: Any = DATA) -> Any:
             jax), this process's rows. Leaves that are not arrays are left alone.
         mesh: the `jax.sharding.Mesh` to place the batch on.
         spec: a `PartitionSpec` (default `P("data")`: rows split over the
-            `"data"` axis), or a pytree prefix of them for the batch.
+            `"data"` axis) or a `NamedSharding`, or a pytree prefix of them
+            for the batch.
 
     Returns:
         The batch with each array a global `jax.Array` on `mesh`.
 
     Raises:
         ValueError: the local rows do not split evenly over this process's
-            devices, or the spec names an axis the mesh lacks.
+            devices, or the spec names an axis the mesh lacks (or one twice).
+        TypeError: a spec that is another kind of `Sharding` (a batch is
+            split over a mesh; `jax.device_put` puts one on one device).
 
     Examples:
         >>> import jax, numpy as np, treegrad as tg
@@ -457,11 +701,19 @@ def shard_batch(local_batch: Any, mesh: Mesh, spec: Any = DATA) -> Any:
         if s is None or not isinstance(x, (jax.Array, np.ndarray)):
             out.append(x)
             continue
-        sharding = _sharding(s, mesh, api)
+        where = path_str(path) or "the batch"
+        sharding = _sharding(s, mesh, api, where)
+        if not isinstance(sharding, NamedSharding):
+            at = f" at {where!r}" if path else ""
+            raise TypeError(
+                f"{api}: the spec{at} is a {type(sharding).__name__}; a batch is "
+                "split over a mesh, so give a PartitionSpec (or a NamedSharding). To put a "
+                "batch on one device, use jax.device_put."
+            )
         if isinstance(x, jax.Array) and x.sharding == sharding:
             out.append(x)
             continue
-        out.append(_global(x, sharding, path_str(path) or "the batch", api))
+        out.append(_global(x, sharding, where, api))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -303,7 +303,8 @@ def train(
             whole to every device.
         batch_spec: how each batch is split over `mesh` (default `P("data")`:
             rows over the `"data"` axis; `P()` replicates it on purpose), or
-            a pytree prefix of specs for the batch tuple.
+            a pytree prefix of specs for the batch as `data` gives it (a
+            tuple, a dict, ...).
 
     Returns:
         `(state, model, losses)` with one loss per step. The inputs are not
@@ -359,7 +360,8 @@ def train(
         for epoch in range(n_epochs):
             step = -1
             for step, batch in enumerate(batches_of()):
-                args = place(batch if isinstance(batch, tuple) else (batch,), epoch, step)
+                placed = place(batch, epoch, step)
+                args = placed if isinstance(placed, tuple) else (placed,)
                 if not checked:
                     _check_arity(loss, len(args), implicit, batch)
                     checked = True
@@ -429,7 +431,7 @@ def _implicit_train_step(
     return v, True
 
 
-def _batch_placement(model: Any, mesh: Any, spec: Any) -> Callable[..., tuple[Any, ...]]:
+def _batch_placement(model: Any, mesh: Any, spec: Any) -> Callable[..., Any]:
     """How each batch is placed: sharded over `mesh`, or checked against the model's layout."""
     if mesh is not None:
         if not isinstance(mesh, Mesh):
@@ -442,7 +444,7 @@ def _batch_placement(model: Any, mesh: Any, spec: Any) -> Callable[..., tuple[An
     if placed is None:
         return lambda batch, epoch, step: batch
 
-    def check(batch: tuple[Any, ...], epoch: int, step: int) -> tuple[Any, ...]:
+    def check(batch: Any, epoch: int, step: int) -> Any:
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
             # Rows are what data parallelism splits: a 0-d value may be copied.
             on_one = getattr(x, "ndim", 0) > 0 and (
