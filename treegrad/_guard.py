@@ -78,15 +78,22 @@ _NOT_ARRAY_TYPES: set[type] = set()
 
 
 def is_array(x: Any) -> bool:
-    """A dynamic input: a `jax.Array` (tracers included) or a numpy array."""
+    """A dynamic input: a `jax.Array` (tracers included) or a numeric numpy array."""
     t = type(x)
     if t in _ARRAY_TYPES:
         return True
     if t in _NOT_ARRAY_TYPES:
         return False
-    r = isinstance(x, (jax.Array, np.ndarray))
+    if isinstance(x, np.ndarray):
+        # Not cached by type: a numpy array of strings, objects or dates is no input
+        # of a compiled function (jax cannot take it); the walk snapshots it instead.
+        return x.dtype.kind not in _NOT_NUMERIC
+    r = isinstance(x, jax.Array)
     (_ARRAY_TYPES if r else _NOT_ARRAY_TYPES).add(t)
     return r
+
+
+_NOT_NUMERIC = frozenset("OUSMm")  # object, str, bytes, datetime64, timedelta64
 
 
 _LIBRARY_MODULES: dict[Any, bool] = {}
@@ -246,6 +253,26 @@ class Same(Node):
         return self.ref() if self.weak else self.ref
 
 
+class Snap(Node):
+    """A mutable value the walk cannot see into but can compare (a set, a deque, a
+    bytearray, a numpy array of strings, a Mapping that is not a dict: `os.environ`,
+    a `ChainMap`): a copy, checked by equality; `as_dict`: compared as `dict(v)`."""
+
+    __slots__ = ("as_dict", "type", "value")
+
+    def __init__(self, typ: type, value: Any, as_dict: bool = False):
+        self.type: Any = typ
+        self.value = value
+        self.as_dict = as_dict
+
+    def equal(self, v: Any) -> bool:
+        if type(v) is not self.type:
+            return False
+        if isinstance(v, np.ndarray):
+            return v.shape == self.value.shape and bool(np.array_equal(v, self.value))
+        return bool((dict(v) if self.as_dict else v) == self.value)
+
+
 class Unchecked(Node):
     """A value the function itself changes while it is traced (a counter): not an input."""
 
@@ -326,14 +353,16 @@ class Jitted(Node):
 
 
 class Obj(Node):
-    """A user object that is not a pytree: its instance attributes and slots."""
+    """A user object that is not a pytree: its instance attributes and slots
+    (`has_dict`: it has an instance dict, whose size is checked even when empty)."""
 
-    __slots__ = ("attrs", "slots", "type")
+    __slots__ = ("attrs", "has_dict", "slots", "type")
 
     def __init__(self, typ: Same, attrs: list[tuple[str, Node]], slots: list[tuple[str, Node]]):
         self.type: Any = typ
         self.attrs = attrs
         self.slots = slots
+        self.has_dict = True
 
 
 class Tree(Node):

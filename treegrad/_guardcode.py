@@ -37,6 +37,7 @@ from ._guard import (
     Partial,
     Same,
     Seq,
+    Snap,
     Tree,
     Unchecked,
     is_array,
@@ -100,6 +101,8 @@ class Guard(CodeGen):
             self._fail_unless(d, f"{v} is {k}()" if node.weak else f"{v} is {k}")
         elif isinstance(node, Unchecked):
             pass
+        elif isinstance(node, Snap):
+            self._fail_unless(d, f"{self._k(node.equal)}({v})")
         elif isinstance(node, Alias):
             self._fail_unless(d, f"{v} is {self.names[id(node.target)]}")
         elif isinstance(node, Seq):
@@ -109,8 +112,12 @@ class Guard(CodeGen):
             for i, child in enumerate(node.items):
                 self._read(d, f"{v}[{i}]", child)
         elif isinstance(node, Map):
+            # The keys in order, not only their number: a function may iterate the dict.
+            keys = tuple(key for key, _ in node.items)
             self._fail_unless(
-                d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
+                d,
+                f"type({v}) is {self._k(node.type)} and len({v}) == {len(keys)} "
+                f"and tuple({v}) == {self._k(keys)}",
             )
             for key, child in node.items:
                 self._read(d, f"{v}.get({self._k(key)}, MISSING)", child)
@@ -138,7 +145,7 @@ class Guard(CodeGen):
             self._read(d, f"{v}.{node.attr}", node.inner)
         elif isinstance(node, Obj):
             self._fail_unless(d, f"type({v}) is {self._k(node.type.ref)}()")
-            if node.attrs:
+            if node.has_dict:
                 dv = self._v()
                 self._emit(d, f"{dv} = {v}.__dict__")
                 self._fail_unless(d, f"len({dv}) == {len(node.attrs)}")
@@ -176,6 +183,8 @@ class Guard(CodeGen):
             self._emit(d, f"{obj} = {self._k(node.obj.ref)}()")
             self._func(node.func, obj, d)
         elif isinstance(node, Attrs):
+            if not node.attrs:  # a library module none of whose data the code reads
+                return
             obj = self._v()
             k = self._k(node.obj.ref)
             self._emit(d, f"{obj} = {k}()" if node.obj.weak else f"{obj} = {k}")
@@ -191,7 +200,8 @@ class Guard(CodeGen):
         if value is None or value is True or value is False or value is Ellipsis:
             self._fail_unless(d, f"{v} is {value!r}")
         elif isinstance(value, float) and value != value:
-            self._fail_unless(d, f"type({v}) is float and {v} != {v}")
+            # NaN (a numpy float64 is a float too: its own type, not float's)
+            self._fail_unless(d, f"type({v}) is {self._k(type(value))} and {v} != {v}")
         elif is_float_like(value) and (value == 0 or type(value) is not float):
             # == takes -0.0 for 0.0 (1 / x differs): compare the text, which keeps them apart.
             t, k = self._k(type(value)), self._k(repr(value))
@@ -299,7 +309,7 @@ class WriteBack(CodeGen):
     def _node(self, node: Node, v: str | None, value: Any) -> None:
         if not self.ok or not self._has(node):
             return
-        if isinstance(node, Seq) and type(value) is list:
+        if isinstance(node, Seq) and isinstance(value, list):
             for i, (c, x) in enumerate(zip(node.items, value, strict=True)):
                 self._child(c, f"{v}[{i}]", x, _assign(f"{v}[{i}] = \0"))
         elif isinstance(node, Map):
@@ -337,7 +347,7 @@ class WriteBack(CodeGen):
             attr = "__wrapped__" if isinstance(node, Jitted) else node.attr
             self._child(node.inner, f"{v}.{attr}", getattr(value, attr), _assign("pass"))
         elif isinstance(node, Obj):
-            d = vars(value) if node.attrs else {}
+            d = vars(value) if node.has_dict else {}
             for name, c in node.attrs:
                 self._child(
                     c,

@@ -35,6 +35,7 @@ from ._guard import (
     Partial,
     Same,
     Seq,
+    Snap,
     Tree,
     Unchecked,
     children,
@@ -88,7 +89,7 @@ class Swap:
             new = self.values[node.place]
             return v if new is MISSING else new
         if isinstance(node, Seq):
-            if type(v) is list:
+            if isinstance(v, list):
                 for i, child in enumerate(node.items):
                     self._set_item(v, i, self.put(child, v[i]))
                 return v
@@ -284,6 +285,8 @@ class Settle:
             if v is node.value or (type(v) is type(node.value) and _equal(v, node.value)):
                 return node
             return self._demote(node, v)
+        if isinstance(node, Snap):
+            return node if node.equal(v) else self._demote(node, v)
         if isinstance(node, Same):
             return node if v is node.get() else self._demote(node, v)
         if isinstance(node, Unchecked):

@@ -10,8 +10,13 @@ array found is a numbered place; every other value is remembered for the guard.
 
 from __future__ import annotations
 
+import array
+import collections
+import collections.abc
+import copy
 import enum
 import functools
+import sys
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +44,7 @@ from ._guard import (
     Partial,
     Same,
     Seq,
+    Snap,
     Tree,
     Unchecked,
     _arrays,
@@ -134,6 +140,12 @@ class Walk:
                         continue
                     if name in _SKIP_CLASS_ATTRS or type(value) in _SKIPPED_DESCRIPTORS:
                         continue
+                    if (
+                        type(obj) is types.ModuleType
+                        and is_library_module(obj.__name__)
+                        and (callable(value) or type(value) is types.ModuleType)
+                    ):
+                        continue  # a library's function, class or submodule
                     node.attrs.append((name, self._attr(obj, name, value)))
                     done[key].add(name)
                     changed = True
@@ -226,7 +238,10 @@ class Walk:
             ps.source = self.node(value._sources, path)
             return ps
         if t is types.ModuleType:
-            if not is_library_module(value.__name__):
+            # A library module too: its data attributes the code reads (os.environ,
+            # a constant a user reassigned) are checked; its functions, classes and
+            # submodules are not (`finish`).
+            if value is not sys:  # sys.modules would be a walk of every module
                 self._absolute(value)
             return Same(value)
         if isinstance(value, type):
@@ -240,6 +255,20 @@ class Walk:
                 return self._tree(value, path)
             except (TypeError, ValueError):  # this value cannot flatten (unsortable keys)
                 return Same(value)
+        if isinstance(value, dict):
+            # A dict subclass (Counter, a user's): read by key, as a dict.
+            mapping = self._memo(value, Map(t, []))
+            mapping.items.extend(
+                (k, self.node(v, f"{path}[{k!r}]")) for k, v in list(value.items())
+            )
+            return mapping
+        if isinstance(value, list):  # a list subclass
+            seq = self._memo(value, Seq(t, []))
+            seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(value))
+            return seq
+        snap = _snapshot(value)
+        if snap is not None:
+            return snap
         if _is_library(t) and t is not types.SimpleNamespace:
             return Same(value)
         if hasattr(value, "__dict__") or _slot_names(t):
@@ -300,6 +329,7 @@ class Walk:
         self._absolute(t)
         node = self._memo(value, Obj(Same(t), [], []))
         d = getattr(value, "__dict__", None)
+        node.has_dict = d is not None
         if d is not None:
             node.attrs.extend((k, self.node(v, f"{path}.{k}")) for k, v in list(d.items()))
         for name in _slot_names(t):
@@ -310,6 +340,31 @@ class Walk:
 
 
 _SKIPPED_DESCRIPTORS = (types.MemberDescriptorType, types.GetSetDescriptorType)
+
+# Mutable containers the walk does not see into, compared by a copy of their contents
+# when every element is a number or string (otherwise: by identity, as before).
+_SNAP_TYPES = (set, frozenset, bytearray, collections.deque, array.array)
+
+
+def _snapshot(value: Any) -> Snap | None:
+    t = type(value)
+    if isinstance(value, np.ndarray):  # of strings, bytes, dates, or objects
+        if value.dtype.kind == "O" and not all(type(x) in _CONST_TYPES for x in value.flat):
+            return None
+        return Snap(t, value.copy())
+    if isinstance(value, _SNAP_TYPES):
+        if all(type(x) in _CONST_TYPES for x in value):
+            return Snap(t, copy.copy(value))
+        return None
+    if isinstance(value, collections.abc.Mapping) and not _is_pytree_node(value):
+        # os.environ, a ChainMap, a MappingProxyType: compared as a dict of their items.
+        try:
+            items = dict(value)
+        except Exception:  # a user's Mapping whose iteration fails: left to identity
+            return None
+        if all(type(x) in _CONST_TYPES for x in items.values()):
+            return Snap(t, items, as_dict=True)
+    return None
 
 
 def describe(fn: Any) -> str:
