@@ -42,6 +42,7 @@ from ._guard import (
     has_places,
     is_array,
 )
+from ._jaxpr import is_tracer
 from ._paths import rebind
 
 
@@ -266,6 +267,30 @@ class Settle:
             self.demoted = True
         return Unchecked()
 
+    def _entry(self, node: Node, value: Any, put: Callable[[Any, Any], Any], key: Any) -> Node:
+        """`self.node` for an entry of a dict or object; a number or library object there
+        that the function replaced by a value computed from traced arrays (a lazy
+        `self.cache = f(self.w)`) is put back, so no tracer stays in the user's object."""
+        if isinstance(node, (Const, Same)) and any(
+            map(is_tracer, jax.tree_util.tree_leaves(value))
+        ):
+            put(key, node.value if isinstance(node, Const) else node.get())
+            raise Unsettled
+        return self.node(node, value)
+
+    def _added(self, value: Any, remove: Callable[[], Any]) -> Node:
+        """An entry the function added to a dict or object while traced."""
+        leaves = jax.tree_util.tree_leaves(value)
+        if any(map(is_array, leaves)):
+            if any(map(is_tracer, leaves)):
+                # A value computed from the traced arrays (a cache filled on first use):
+                # left there it would be a tracer in the user's object after the call.
+                # Removed, it is computed again when next read, as a fresh cache is.
+                remove()
+            raise Unsettled
+        self.demoted = True
+        return Unchecked()
+
     def _container(self, node: Node, children: list[Node]) -> Node:
         # Only the entries the function changed stop being checked: it may read
         # other entries of the same dict (a config it also logs into), and those
@@ -303,13 +328,22 @@ class Settle:
             node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
             return self._container(node, [c for c in node.items])
         if isinstance(node, Map):
-            if type(v) is not node.type or len(v) != len(node.items):
+            if type(v) is not node.type:
                 return self._demote(node, v)
+            # Entries the function added (a default filled in on first use) are its own
+            # outputs, not checked; one it removed is no longer read. The others stay
+            # checked: the function may read them (as uncompiled, they stay fresh).
             items = []
             for key, child in node.items:
-                if key not in v:
-                    return self._demote(node, v)
-                items.append((key, self.node(child, v[key])))
+                if key in v:
+                    items.append((key, self._entry(child, v[key], v.__setitem__, key)))
+                elif has_places(child):
+                    raise Unsettled
+                else:
+                    self.demoted = True
+            known = {key for key, _ in node.items}
+            for key in [k for k in v if k not in known]:
+                items.append((key, self._added(v[key], lambda key=key: v.pop(key, None))))
             node.items = items
             return self._container(node, [c for _, c in items])
         if isinstance(node, Func):
@@ -377,9 +411,20 @@ class Settle:
             if type(v) is not node.type.get():
                 return self._demote(node, v)
             d = getattr(v, "__dict__", {})
-            if len(d) != len(node.attrs) or any(k not in d for k, _ in node.attrs):
-                return self._demote(node, v)
-            node.attrs = [(k, self.node(c, d[k])) for k, c in node.attrs]
+            # As for a dict: attributes the function set (lazy initialisation, a
+            # cached_property) are its outputs; the others stay checked.
+            attrs = []
+            for k, c in node.attrs:
+                if k in d:
+                    attrs.append((k, self._entry(c, d[k], d.__setitem__, k)))
+                elif has_places(c):
+                    raise Unsettled
+                else:
+                    self.demoted = True
+            known = {k for k, _ in node.attrs}
+            for k in [k for k in d if k not in known]:
+                attrs.append((k, self._added(d[k], lambda k=k: d.pop(k, None))))
+            node.attrs = attrs
             node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
             return node
         if isinstance(node, Tree):
