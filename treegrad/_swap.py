@@ -343,7 +343,7 @@ class Settle:
                     self.demoted = True
             known = {key for key, _ in node.items}
             for key in [k for k in v if k not in known]:
-                items.append((key, self._added(v[key], lambda key=key: v.pop(key, None))))
+                items.append((key, self._added(v[key], functools.partial(v.pop, key, None))))
             node.items = items
             return self._container(node, [c for _, c in items])
         if isinstance(node, Func):
@@ -423,7 +423,7 @@ class Settle:
                     self.demoted = True
             known = {k for k, _ in node.attrs}
             for k in [k for k in d if k not in known]:
-                attrs.append((k, self._added(d[k], lambda k=k: d.pop(k, None))))
+                attrs.append((k, self._added(d[k], functools.partial(d.pop, k, None))))
             node.attrs = attrs
             node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
             return node
