@@ -816,8 +816,7 @@ def test_bug_user_module_read_through_sys_modules(monkeypatch):
     fresh_after(f, lambda: setattr(mine, "s", 5.0))
 
 
-@pytest.mark.xfail(strict=True, reason="metaclass attributes are not guarded")
-def test_bug_metaclass_attribute_changed():
+def test_metaclass_attribute_changed():
     class Meta(type):
         scale = 2.0
 
@@ -827,8 +826,7 @@ def test_bug_metaclass_attribute_changed():
     fresh_after(lambda v: jnp.sum(v) * K.scale, lambda: setattr(Meta, "scale", 5.0))
 
 
-@pytest.mark.xfail(strict=True, reason="numpy array held by a metaclass baked in as a constant")
-def test_bug_numpy_array_on_a_metaclass_edited_in_place():
+def test_numpy_array_on_a_metaclass_edited_in_place():
     class Meta(type):
         table = np.array([1.0, 2.0, 3.0], np.float32)
 
@@ -838,8 +836,7 @@ def test_bug_numpy_array_on_a_metaclass_edited_in_place():
     fresh_after(lambda v: jnp.sum(v * K.table), lambda: Meta.table.__setitem__(Ellipsis, 7.0))
 
 
-@pytest.mark.xfail(strict=True, reason="subclass gaining an attribute that shadows its base's")
-def test_bug_subclass_gains_an_attribute_shadowing_the_base_class():
+def test_subclass_gains_an_attribute_shadowing_the_base_class():
     class Base:
         scale = 2.0
 
@@ -850,8 +847,7 @@ def test_bug_subclass_gains_an_attribute_shadowing_the_base_class():
     fresh_after(lambda v: jnp.sum(v) * obj.scale, lambda: setattr(Sub, "scale", 5.0))
 
 
-@pytest.mark.xfail(strict=True, reason="subclass shadowing its base's attribute, under tg.jit")
-def test_bug_tg_jit_subclass_gains_an_attribute_shadowing_the_base_class():
+def test_tg_jit_subclass_gains_an_attribute_shadowing_the_base_class():
     class Base:
         scale = 2.0
 

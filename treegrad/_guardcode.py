@@ -377,7 +377,7 @@ class WriteBack(CodeGen):
                 self._child(
                     c,
                     f"{obj}.{name}",
-                    d[name],
+                    d.get(name, MISSING),
                     _assign(f"setattr({obj}, {name!r}, \0)"),
                 )
         elif isinstance(node, Tree):

@@ -145,6 +145,8 @@ class Swap:
             obj = node.obj.get()
             d = vars(obj)
             for name, child in node.attrs:
+                if isinstance(child, Const) and child.value is MISSING:
+                    continue  # a name checked to stay absent
                 new = self.put(child, d[name])
                 if new is not d[name]:
                     self._set_attr(obj, name, new, plain=False)
@@ -453,6 +455,9 @@ class Settle:
             attrs = []
             for name, child in node.attrs:
                 value = d.get(name, MISSING)
+                if value is MISSING and isinstance(child, Const) and child.value is MISSING:
+                    attrs.append((name, child))  # a name checked to stay absent, still absent
+                    continue
                 attrs.append(
                     (
                         name,

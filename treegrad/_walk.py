@@ -149,12 +149,31 @@ class Walk:
                     node.attrs.append((name, self._attr(obj, name, value)))
                     done[key].add(name)
                     changed = True
+        self._absences(nodes)
         absolute = list(nodes.values())
         # Places are numbered in the order the guard reads them.
         self.names = [self.names[a.place] for a in _arrays([*roots, *absolute])]
         for i, a in enumerate(_arrays([*roots, *absolute])):
             a.place = i
         return absolute
+
+    def _absences(self, nodes: dict[int, Node]) -> None:
+        """For each class walked: the names the code reads that a class after it in
+        its MRO, or its metaclass, defines, checked to stay absent from it; assigned
+        there later (`Sub.scale = 5` over `Base.scale`), they would shadow the one read."""
+        for key, node in nodes.items():
+            cls = self.absolute[key]
+            if not isinstance(cls, type) or not isinstance(node, Attrs):
+                continue
+            related = [vars(k) for k in (*cls.__mro__[1:], *type(cls).__mro__) if id(k) in nodes]
+            own = vars(cls)
+            for name in sorted(self.attr_names):
+                if (
+                    name not in own
+                    and name not in _SKIP_CLASS_ATTRS
+                    and any(name in d for d in related)
+                ):
+                    node.attrs.append((name, Const(MISSING)))
 
     def _attr(self, obj: Any, name: str, value: Any) -> Node:
         prefix = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
@@ -178,8 +197,9 @@ class Walk:
 
     def _absolute(self, obj: Any) -> None:
         if isinstance(obj, type):
-            for klass in obj.__mro__:
-                if klass is not object and not _is_library(klass):
+            # The class's MRO and its metaclass's: `C.x` may be found on either.
+            for klass in (*obj.__mro__, *type(obj).__mro__):
+                if klass is not object and klass is not type and not _is_library(klass):
                     self.absolute.setdefault(id(klass), klass)
         else:
             self.absolute.setdefault(id(obj), obj)
