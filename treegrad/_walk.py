@@ -16,6 +16,7 @@ import collections.abc
 import copy
 import enum
 import functools
+import inspect
 import sys
 import types
 from collections.abc import Iterator
@@ -165,7 +166,9 @@ class Walk:
             cls = self.absolute[key]
             if not isinstance(cls, type) or not isinstance(node, Attrs):
                 continue
-            related = [vars(k) for k in (*cls.__mro__[1:], *type(cls).mro()) if id(k) in nodes]
+            related = [
+                vars(k) for k in (*cls.__mro__[1:], *inspect.getmro(type(cls))) if id(k) in nodes
+            ]
             own = vars(cls)
             for name in sorted(self.attr_names):
                 if (
@@ -198,7 +201,7 @@ class Walk:
     def _absolute(self, obj: Any) -> None:
         if isinstance(obj, type):
             # The class's MRO and its metaclass's: `C.x` may be found on either.
-            for klass in (*obj.__mro__, *type(obj).mro()):
+            for klass in (*obj.__mro__, *inspect.getmro(type(obj))):
                 if klass is not object and klass is not type and not _is_library(klass):
                     self.absolute.setdefault(id(klass), klass)
         else:
