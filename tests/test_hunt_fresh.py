@@ -983,8 +983,7 @@ class _Holds(tg.Module):
         return jnp.sum(self.act(self.w))
 
 
-@pytest.mark.xfail(strict=True, reason="captured Module's static function is not walked")
-def test_bug_implicit_captured_module_static_function_reads_a_changed_dict():
+def test_implicit_captured_module_static_function_reads_a_changed_dict():
     cfg = {"k": 2.0}
 
     def act(x):
@@ -1023,9 +1022,8 @@ def _static_callables():
     }
 
 
-@pytest.mark.xfail(strict=True, reason="a Module's static callable (not a function) is unguarded")
 @pytest.mark.parametrize("kind", ["callable-object", "bound-method", "partial"])
-def test_bug_module_static_callable_whose_state_changes(kind):
+def test_module_static_callable_whose_state_changes(kind):
     act, change = _static_callables()[kind]
     m = _Holds(act)
     loss = lambda m: m()
@@ -1034,8 +1032,7 @@ def test_bug_module_static_callable_whose_state_changes(kind):
     np.testing.assert_allclose(tg.gradient(loss, m)[0].w, [5.0, 5.0])
 
 
-@pytest.mark.xfail(strict=True, reason="a Module's static callable object is unguarded (tg.jit)")
-def test_bug_tg_jit_module_static_callable_object_state():
+def test_tg_jit_module_static_callable_object_state():
     m = _Holds(_ScaleObj())
     step = tg.jit(lambda m: m())
     np.testing.assert_allclose(step(m), 6.0)

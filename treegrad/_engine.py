@@ -50,7 +50,7 @@ from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._shard import placements
 from ._swap import Swap, holders
 from ._tree import describe_leaf, is_inexact, user_stacklevel
-from ._walk import _SLOT_NAMES, Walk, describe, node_types
+from ._walk import _SLOT_NAMES, Walk, describe, node_types, static_callables
 
 
 class RetraceWarning(UserWarning):
@@ -104,7 +104,7 @@ class Entry:
                 walk._absolute(cls)
         for s in call.a_statics or ():
             walk.fixed(s)
-        for fn in _static_functions(call.a_def):
+        for fn in static_callables(call.a_def):
             walk.fixed(fn)
         self.absolute = walk.finish(self.nodes)
         self.names = walk.names
@@ -468,21 +468,6 @@ class Entry:
 def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:
     index = {id(a): i for i, a in enumerate(cl_uniq)}
     return tuple(index.get(id(p), -1) for p in params)
-
-
-def _static_functions(treedef: Any) -> list[Any]:
-    """User functions held as static data of the Modules in an argument tree."""
-    from ._module import _Static
-
-    out: list[Any] = []
-    stack = [treedef]
-    while stack:
-        td = stack.pop()
-        data = td.node_data()
-        if data is not None and isinstance(data[1], _Static):
-            out.extend(v for _, v in data[1].items if type(v) is types.FunctionType)
-        stack.extend(td.children())
-    return out
 
 
 # --- step 2 and 4: the cache, and running ------------------------------------------

@@ -398,11 +398,12 @@ class Descr(Node):
 
 
 class Fixed(Node):
-    """A user function held by static data (a Module's activation): guarded as a root."""
+    """A user function or callable held by static data (a Module's activation, a
+    callable object, a bound method, a partial): guarded as a root, held by `obj`."""
 
     __slots__ = ("func", "obj")
 
-    def __init__(self, obj: Same, func: Func):
+    def __init__(self, obj: Same, func: Node):
         self.obj = obj
         self.func = func
 

@@ -180,8 +180,9 @@ class Guard(CodeGen):
             self._read(d, f"{v}._sources", node.source)
         elif isinstance(node, Fixed):
             obj = self._v()
-            self._emit(d, f"{obj} = {self._k(node.obj.ref)}()")
-            self._func(node.func, obj, d)
+            k = self._k(node.obj.ref)
+            self._emit(d, f"{obj} = {k}()" if node.obj.weak else f"{obj} = {k}")
+            self._gen(node.func, obj, d)
         elif isinstance(node, Attrs):
             if not node.attrs:  # a library module none of whose data the code reads
                 return
@@ -366,7 +367,8 @@ class WriteBack(CodeGen):
             self._child(node.source, f"{v}._sources", value._sources, _assign("pass"))
         elif isinstance(node, Fixed):
             fn = self._v()
-            self._emit(f"{fn} = {self._k(node.obj.ref)}()")
+            k = self._k(node.obj.ref)
+            self._emit(f"{fn} = {k}()" if node.obj.weak else f"{fn} = {k}")
             self._node(node.func, fn, value)
         elif isinstance(node, Attrs):
             obj = self._v()

@@ -139,7 +139,7 @@ class Swap:
             self.put(node.source, v._sources)  # a list: rebound in place
             return v
         if isinstance(node, Fixed):
-            self._func(node.func, node.obj.get())
+            self.put(node.func, node.obj.get())
             return v
         if isinstance(node, Attrs):
             obj = node.obj.get()
@@ -446,7 +446,7 @@ class Settle:
             return node
         if isinstance(node, Fixed):
             func = self.node(node.func, node.obj.get())
-            if not isinstance(func, Func):  # the function's code changed while tracing
+            if isinstance(func, Unchecked):  # the function's code changed while tracing
                 raise Unsettled
             node.func = func
             return node

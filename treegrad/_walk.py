@@ -101,8 +101,13 @@ class Walk:
         return self.node(value, describe(value))
 
     def fixed(self, fn: Any) -> None:
-        """Also guard a function held by the arguments' static data (a Module's activation)."""
-        if type(fn) is types.FunctionType and not _is_library(fn):
+        """Also guard a function held by static data (a Module's activation), or a
+        callable of the user's (a callable object, a bound method, a partial): what
+        it reads, and its own state, are checked like a closure's."""
+        if type(fn) is types.FunctionType:
+            if not _is_library(fn):
+                self.absolute.setdefault(id(fn), fn)
+        elif _user_callable(fn):
             self.absolute.setdefault(id(fn), fn)
 
     def finish(self, roots: list[Node]) -> list[Node]:
@@ -123,6 +128,9 @@ class Walk:
                 changed = True
                 if type(obj) is types.FunctionType:
                     nodes[key] = Fixed(Same(obj), self._function(obj, describe(obj)))
+                    continue
+                if not isinstance(obj, (type, types.ModuleType)):  # a held callable
+                    nodes[key] = Fixed(Same(obj), self.node(obj, describe(obj)))
                     continue
                 attrs = Attrs(Same(obj), [])
                 nodes[key] = attrs
@@ -342,6 +350,8 @@ class Walk:
         for cls in node_types(treedef):
             if not _is_library(cls):
                 self._absolute(cls)
+        for fn in static_callables(treedef):  # a captured Module's activation
+            self.fixed(fn)
         return node
 
     def _leaf(self, x: Any) -> Node:
@@ -412,6 +422,33 @@ def _find_slot_names(t: type) -> tuple[str, ...]:
             slots = (slots,)
         names.extend(s for s in slots if s not in ("__dict__", "__weakref__", "_tg_aux"))
     return tuple(dict.fromkeys(names))
+
+
+def _user_callable(fn: Any) -> bool:
+    """A callable of the user's that static data may hold: a bound method, a partial, or
+    an instance of a user class with `__call__` (not a class, module or library object)."""
+    if isinstance(fn, (types.MethodType, functools.partial)):
+        return True
+    return (
+        callable(fn)
+        and not isinstance(fn, (type, types.ModuleType, types.BuiltinFunctionType))
+        and not _is_library(type(fn))
+    )
+
+
+def static_callables(treedef: Any) -> list[Any]:
+    """The callables held as static data by the Modules of a tree's structure."""
+    from ._module import _Static
+
+    out: list[Any] = []
+    stack = [treedef]
+    while stack:
+        td = stack.pop()
+        data = td.node_data()
+        if data is not None and isinstance(data[1], _Static):
+            out.extend(v for _, v in data[1].items if callable(v) and not isinstance(v, type))
+        stack.extend(td.children())
+    return out
 
 
 def node_types(treedef: Any) -> Iterator[type]:
