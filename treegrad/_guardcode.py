@@ -104,7 +104,12 @@ class Guard(CodeGen):
         elif isinstance(node, Snap):
             self._fail_unless(d, f"{self._k(node.equal)}({v})")
         elif isinstance(node, Alias):
-            self._fail_unless(d, f"{v} is {self.names[id(node.target)]}")
+            target = self.names.get(id(node.target))
+            # None: the object reached first by another route was demoted to
+            # Unchecked (the function changes it: a log it appends to), so it is
+            # the function's output, not an input, by this route too.
+            if target is not None:
+                self._fail_unless(d, f"{v} is {target}")
         elif isinstance(node, Seq):
             self._fail_unless(
                 d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"

@@ -99,9 +99,21 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 roots = entry.stack[-1]
                 entry.nodes = [settle.node(n, r) for n, r in zip(entry.nodes, roots, strict=True)]
                 entry.absolute = [settle.node(n, None) for n in entry.absolute]
-            except Unsettled:
+            except Unsettled as e:
+                if written:
+                    # The function rebound arrays, and also changed where arrays live:
+                    # the new ones cannot be written back by place. Never a silent loss.
+                    raise TypeError(
+                        f"{entry.api}: the function rebinds arrays it captures, and while "
+                        f"traced it also changed where its arrays live ({e or 'a container'} "
+                        "was replaced by another kind of value), so the new arrays cannot "
+                        "be written back. Keep the structure the function reads fixed "
+                        "(assign arrays into it), or return the new values instead."
+                    ) from None
                 entry.cacheable = False
                 written = {}
+            if not settle.cacheable:
+                entry.cacheable = False
             entry.demoted = entry.demoted or settle.demoted
             return out, written
         finally:

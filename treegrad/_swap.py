@@ -261,6 +261,7 @@ class Settle:
         self.written = written
         self.values: dict[int, Any] = {}
         self.demoted = False
+        self.cacheable = True
 
     def _demote(self, node: Node, v: Any) -> Node:
         if has_places(node) or is_array(v):
@@ -277,18 +278,22 @@ class Settle:
             map(is_tracer, jax.tree_util.tree_leaves(value))
         ):
             put(key, node.value if isinstance(node, Const) else node.get())
-            raise Unsettled
+            self.cacheable = False  # traced again each call; the places stay where they were
+            return node
         return self.node(node, value)
 
     def _added(self, value: Any, remove: Callable[[], Any]) -> Node:
         """An entry the function added to a dict or object while traced."""
         leaves = jax.tree_util.tree_leaves(value)
+        if any(map(is_tracer, leaves)):
+            # A value computed from the traced arrays (a cache filled on first use):
+            # left there it would be a tracer in the user's object after the call.
+            # Removed, it is computed again when next read, as a fresh cache is; the
+            # function is traced again each call (the places stay where they were).
+            remove()
+            self.cacheable = False
+            return Unchecked()
         if any(map(is_array, leaves)):
-            if any(map(is_tracer, leaves)):
-                # A value computed from the traced arrays (a cache filled on first use):
-                # left there it would be a tracer in the user's object after the call.
-                # Removed, it is computed again when next read, as a fresh cache is.
-                remove()
             raise Unsettled
         self.demoted = True
         return Unchecked()
@@ -321,7 +326,11 @@ class Settle:
                 raise Unsettled
             return node
         if isinstance(node, Alias):
-            if v is not self.values.get(id(node.target)):
+            target = self.values.get(id(node.target))
+            # A `jax.jit`/`tg.jit` helper reached first is replaced by its function
+            # while traced (inlined); the same helper reached again is not.
+            inlined = isinstance(node.target, Jitted) and getattr(v, "__wrapped__", None) is target
+            if v is not target and not inlined:
                 raise Unsettled
             return node
         if isinstance(node, Seq):
