@@ -894,10 +894,7 @@ def net_loss_key(m, key):
     return jnp.mean((m(X8, key) - Y8) ** 2)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="Params.remove then add of the same array breaks the optimiser state"
-)
-def test_bug_remove_then_add_back_breaks_the_state():
+def test_remove_then_add_back_breaks_the_state():
     model, ps, _, step = compiled_world()
     b = model.l3.bias
     ps.remove(b)

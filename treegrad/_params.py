@@ -174,6 +174,17 @@ class Params:
             self._sources[0] = kept
             self._cache.clear()
             return
+        if isinstance(x, jax.Array) and any(r is x for r in self._removed):
+            held = any(
+                a is x for j in range(1, len(self._sources)) for a in self._read_source(j)[0]
+            )
+            if held:
+                # Removed before and still in a source: a parameter again where it
+                # is, with its name, and the set's sources (which the optimiser
+                # state mirrors) unchanged.
+                self._sources[0] = [r for r in self._removed if r is not x]
+                self._cache.clear()
+                return
         self._sources.append(_checked_source(x, "Params.add"))
         self._cache.clear()
         if self._removed:
