@@ -71,7 +71,8 @@ ROWS = [
             s, m, {"w": jnp.ones(3), "layer": nn.Dense(2, 3, key=jax.random.key(1))}
         ),
         ValueError,
-        r"does not match the model",
+        # the same paths (a layer differing in static data): named by its first misfit
+        r"the gradient at 'layer.weight' has shape \(3, 2\) but its parameter has shape",
     ),
     (
         "wrong_structure",

@@ -37,6 +37,7 @@ from ._params import Grads, Params
 from ._paths import rebind
 from ._shard import keep, placements, several_devices, state_on_other_devices
 from ._tree import describe_leaf, first_difference, is_none, tree_map_shared, unique_by_id
+from ._walk import node_types
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
 
@@ -97,6 +98,32 @@ def _check_state(state: Any, api: str) -> OptState:
     )
 
 
+def _by_path_if_only_static_differs(model: Any, grads: Any) -> list[Any] | None:
+    """The gradient at each of the model's leaves, by key path, when the gradient tree
+    differs from the model in static data only (taken before an edit of a dropout rate
+    or an activation); None otherwise."""
+    model_paths = jax.tree_util.tree_flatten_with_path(model)[0]
+    grad_paths = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+    by = dict(grad_paths)
+    if len(by) != len(grad_paths) or any(p not in by for p, _ in model_paths):
+        return None
+    if any(g is not None for p, g in grad_paths if p not in dict(model_paths)):
+        return None
+    g_def = jax.tree_util.tree_structure(grads, is_leaf=is_none)
+    m_def = jax.tree_util.tree_structure(model, is_leaf=is_none)
+    if list(node_types(g_def)) != list(node_types(m_def)):
+        return None
+    return [by[p] for p, _ in model_paths]
+
+
+def _only_static_changed(config: _Config, model: Any, m_def: Any) -> bool:
+    """Whether `model` differs from the state's structure in static data only: the same
+    leaves at the same paths, in containers of the same kinds."""
+    if m_def.num_leaves != config.treedef.num_leaves or first_difference(model, config.layout):
+        return False
+    return list(node_types(m_def)) == list(node_types(config.treedef))
+
+
 def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
     where = first_difference(model, other)
     at = f"first difference at '{where}'" if where else "same paths, different static data or types"
@@ -124,6 +151,9 @@ def _gradient_leaves(m_def: Any, model: Any, grads: Any, api: str) -> list[Any]:
         return list(m_def.flatten_up_to(grads))
     except (ValueError, TypeError):
         pass
+    by_path = _by_path_if_only_static_differs(model, grads)
+    if by_path is not None:
+        return by_path
     # `None` for a whole sub-tree ({"enc": None, "dec": g}) skips every parameter in it.
     items, g_def_ = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
     g_def: Any = g_def_
@@ -281,11 +311,12 @@ def _check_rebindable(config: _Config, model: Any, api: str) -> None:
 
 def _run(
     state: OptState, model: Any, grads: Any, api: str, *, donate: bool = False, in_place: bool
-) -> tuple[list[Any], list[Any], list[Any], tuple[Any, ...]]:
+) -> tuple[list[Any], list[Any], list[Any], tuple[Any, ...], _Config]:
     """Check everything, then run the compiled step; nothing is changed here.
 
-    Returns the model's leaves, its distinct parameters, their new values and
-    the new optax state leaves.
+    Returns the model's leaves, its distinct parameters, their new values, the
+    new optax state leaves, and the configuration they belong to (the state's,
+    or one following static data the model changed since setup).
     """
     config = state._config
     m_def = config.treedef
@@ -293,7 +324,12 @@ def _run(
     if m_leaves is None:  # not the structure seen last (or not all arrays): JAX's path
         m_leaves, m_def = jax.tree_util.tree_flatten(model)
         if m_def != config.treedef:
-            raise ValueError(_mismatch(api, "optimiser state", model, config.layout))
+            if not _only_static_changed(config, model, m_def):
+                raise ValueError(_mismatch(api, "optimiser state", model, config.layout))
+            # Static data edited since setup (a dropout rate, an activation): the
+            # arrays and their places are the same, so the state fits; it follows
+            # the model's structure from now on (a pure update returns it so).
+            config = config.with_treedef(m_def)
         config.shape(m_leaves)
     if in_place:
         _check_rebindable(config, model, api)
@@ -328,7 +364,7 @@ def _run(
         for i in config.updated:
             if i not in have:
                 new_params[i] = params[i]
-    return m_leaves, params, new_params, leaves
+    return m_leaves, params, new_params, leaves, config
 
 
 def update(
@@ -363,10 +399,9 @@ def update(
     """
     state = _check_state(state, "tg.update")
     model = _source(model)
-    m_leaves, params, new_params, leaves = _run(
+    m_leaves, params, new_params, leaves, config = _run(
         state, model, grads, "tg.update", donate=donate, in_place=False
     )
-    config = state._config
     new_state = OptState(config, leaves)
     if config.tied:
         by_id = {id(old): new for old, new in zip(params, new_params, strict=True)}
@@ -409,17 +444,17 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
             "tg.update_ cannot update a standalone array in place; hold it in a list, dict or "
             "Module, or use the pure tg.update."
         )
-    m_leaves, params, new_params, leaves = _run(state, src, grads, api, in_place=True)
+    m_leaves, params, new_params, leaves, config = _run(state, src, grads, api, in_place=True)
     if all(map(operator.is_not, params, new_params)):  # every parameter changed: in C
         changed = dict(zip(map(id, params), new_params, strict=True))
     else:
         pairs = zip(params, new_params, strict=True)
         changed = {id(old): new for old, new in pairs if old is not new}
     if changed:
-        rebind(src, changed, (m_leaves, state._config.treedef))
+        rebind(src, changed, (m_leaves, config.treedef))
         if isinstance(model, Params):
             model._rebound(src)
-    state._install(state._config, leaves)
+    state._install(config, leaves)
 
 
 # --- changing the state: hyperparameters, freezing --------------------------------------

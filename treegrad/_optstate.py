@@ -172,6 +172,12 @@ class _Config:
         # reference that says the id still names that object.
         self._equal: dict[int, weakref.ref[_Config]] = {}
 
+    def with_treedef(self, treedef: Any) -> _Config:
+        """This configuration for a model whose static data changed (same leaves, paths
+        and container kinds): the model-derived caches are rebuilt for the new one."""
+        keys = ("slots", "parts", "owner", "frozen", "tied", "avals")
+        return _Config(treedef, **{k: getattr(self, k) for k in keys})
+
     def replaced(self, **change: Any) -> _Config:
         """A new config with some fields changed (the model-derived caches carried over)."""
         keys = ("slots", "parts", "owner", "frozen", "tied", "avals")
