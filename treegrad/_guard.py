@@ -84,11 +84,14 @@ def is_array(x: Any) -> bool:
         return True
     if t in _NOT_ARRAY_TYPES:
         return False
-    if isinstance(x, np.ndarray):
-        # Not cached by type: a numpy array of strings, objects or dates is no input
-        # of a compiled function (jax cannot take it); the walk snapshots it instead.
-        return x.dtype.kind not in _NOT_NUMERIC
-    r = isinstance(x, jax.Array)
+    try:
+        if isinstance(x, np.ndarray):
+            # Not cached by type: a numpy array of strings, objects or dates is no input
+            # of a compiled function (jax cannot take it); the walk snapshots it instead.
+            return x.dtype.kind not in _NOT_NUMERIC
+        r = isinstance(x, jax.Array)
+    except Exception:  # an object whose __getattribute__ refuses even __class__
+        return False
     (_ARRAY_TYPES if r else _NOT_ARRAY_TYPES).add(t)
     return r
 

@@ -140,6 +140,11 @@ class Walk:
                         if name not in _SKIP_CLASS_ATTRS and _code_of(value) is not None:
                             attrs.attrs.append((name, self._attr(obj, name, value)))
                             done[key].add(name)
+                elif type(vars(obj).get("__getattr__")) is types.FunctionType:
+                    # A user module's __getattr__ (PEP 562) answers the names it lacks.
+                    getattr_ = vars(obj)["__getattr__"]
+                    attrs.attrs.append(("__getattr__", self._attr(obj, "__getattr__", getattr_)))
+                    done[key].add("__getattr__")
             for key, node in nodes.items():
                 if not isinstance(node, Attrs):
                     continue
@@ -159,6 +164,7 @@ class Walk:
                     done[key].add(name)
                     changed = True
         self._absences(nodes)
+        self._module_absences(nodes)
         absolute = list(nodes.values())
         # Places are numbered in the order the guard reads them.
         self.names = [self.names[a.place] for a in _arrays([*roots, *absolute])]
@@ -186,8 +192,21 @@ class Walk:
                 ):
                     node.attrs.append((name, Const(MISSING)))
 
+    def _module_absences(self, nodes: dict[int, Node]) -> None:
+        """For a user module with a `__getattr__`: the names the code reads that the
+        module lacks, checked to stay absent (assigned, they would bypass it)."""
+        for key, node in nodes.items():
+            mod = self.absolute[key]
+            if type(mod) is not types.ModuleType or not isinstance(node, Attrs):
+                continue
+            d = vars(mod)
+            if "__getattr__" in d:
+                for name in sorted(self.attr_names - d.keys() - _SKIP_CLASS_ATTRS):
+                    node.attrs.append((name, Const(MISSING)))
+
     def _attr(self, obj: Any, name: str, value: Any) -> Node:
-        prefix = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
+        # From the object's own dict: a module's __getattr__ may answer any name its way.
+        prefix = obj.__qualname__ if isinstance(obj, type) else vars(obj).get("__name__", "?")
         path = f"{prefix}.{name}"
         fn = _code_of(value)
         if fn is not None and fn is not value:
@@ -224,6 +243,15 @@ class Walk:
         prior = self.seen.get(id(value))
         if prior is not None:
             return Alias(prior)
+        if not _plain_attributes(t):
+            try:
+                value.__class__  # noqa: B018 -- what isinstance and hasattr read first
+            except Exception:
+                # A __getattribute__ that answers every name its own way (a view of a
+                # dict): the object by identity, and its class's methods (that
+                # __getattribute__ included) walked, with what they read.
+                self._absolute(t)
+                return Same(value)
         if t is list or t is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
             seq = self._memo(value, Seq(t, []))
             seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(value))
@@ -301,6 +329,11 @@ class Walk:
         if snap is not None:
             return snap
         if _is_library(t) and t is not types.SimpleNamespace:
+            wrapped = getattr(value, "__wrapped__", None) if callable(value) else None
+            if type(wrapped) is types.FunctionType:
+                # A library wrapper of a user function (functools.lru_cache): what the
+                # function reads is guarded as a root of its own.
+                self.fixed(wrapped)
             return Same(value)
         if hasattr(value, "__dict__") or _slot_names(t):
             return self._object(value, path)
@@ -398,6 +431,10 @@ def _snapshot(value: Any) -> Snap | None:
         if all(type(x) in _CONST_TYPES for x in items.values()):
             return Snap(t, items, as_dict=True)
     return None
+
+
+def _plain_attributes(t: type) -> bool:
+    return t.__getattribute__ is object.__getattribute__
 
 
 def describe(fn: Any) -> str:
