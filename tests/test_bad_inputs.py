@@ -525,7 +525,7 @@ ROWS = [
         "huber-negative-delta",
         lambda c: tg.losses.huber(jnp.ones(2), jnp.ones(2), delta=-1.0),
         ValueError,
-        r"tg\.losses\.huber: delta must be positive, got -1\.0",
+        r"tg\.losses\.huber: delta must be positive \(a scalar\), got -1\.0",
     ),
     row(
         "logitcrossentropy-label-shape",
