@@ -636,6 +636,7 @@ def test_rule_families_with_none_steps_equal_plain_optax(name):
     trees_close(state, ref_state, 1e-5)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_apply_if_finite_skips_a_nan_step_like_plain_optax_in_both_styles():
     rule = optax.apply_if_finite(optax.adam(0.1), 3)
     ref = _model()
@@ -668,6 +669,7 @@ def test_apply_if_finite_skips_a_nan_step_like_plain_optax_in_both_styles():
 # ======================================================================================
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_adjust_of_a_sub_state_equals_its_own_copy_of_the_rule():
     def make():
         return optax.chain(
@@ -724,6 +726,7 @@ def test_adjust_of_a_sub_state_equals_its_own_copy_of_the_rule():
     assert float(state["dec"].state[1].hyperparams["learning_rate"]) == pytest.approx(0.1)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_freeze_a_module_sub_state_then_thaw_equals_none_gradients_in_optax():
     rule = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.05, weight_decay=0.1))
     k1, k2 = jax.random.split(jax.random.key(3))

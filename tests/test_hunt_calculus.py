@@ -278,6 +278,7 @@ def test_jacobian_of_a_module_and_an_array_against_jacrev():
     np.testing.assert_allclose(jx, rx, rtol=1e-6)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_hessian_of_a_module_and_an_array_against_jax_hessian():
     d = dense()
     loss = lambda m, x: jnp.sum(jnp.tanh(m(x)) ** 2)

@@ -205,6 +205,7 @@ def test_rules_keep_static_data_and_the_unmatched_arrays(mesh):
     close(out, model)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_numpy_int_and_bool_leaves_are_placed_and_never_trained(mesh):
     tree = {
         "w": np.linspace(-1, 1, 4, dtype=np.float32),
@@ -303,6 +304,7 @@ def test_shard_batch_leaves_non_arrays_and_none_specs_alone(mesh):
     np.testing.assert_array_equal(out["x"], x)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_train_with_a_mesh_in_implicit_style_equals_plain_optax(mesh):
     rule = optax.adam(0.05)
     model = tg.shard(Net(jax.random.key(0)), {"*.weight": P("data")}, mesh=mesh)
@@ -385,6 +387,7 @@ def test_a_spec_naming_an_axis_twice(mesh):
         tg.shard_batch({"x": np.ones(4)}, mesh, P(("data", "data")))
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_train_batch_spec_for_a_dict_batch(mesh):
     model = Net(jax.random.key(0))
     data = [{"x": x, "y": y} for x, y in batches(2)]
@@ -445,6 +448,7 @@ def _passes(results, name):
     assert results[name] == "ok", results[name]
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("name", [n for n in FAST if not n.startswith("bug_")])
 def test_on_eight_devices(fast_results, name):
     _passes(fast_results, name)
@@ -457,6 +461,7 @@ def test_on_eight_devices_slow(slow_results, name):
     _passes(slow_results, name)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 @pytest.mark.xfail(
     strict=True,
     reason="a limitation: inside the user's own jax.jit on Auto axes an input's placement is "

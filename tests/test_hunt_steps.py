@@ -444,6 +444,7 @@ def run_program(kind, rule, ops):
 ops_strategy = st.lists(st.sampled_from(STEP_OPS * 3 + OTHER_OPS), min_size=3, max_size=6)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 @settings(
     max_examples=3,
     derandomize=True,
