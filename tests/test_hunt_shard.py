@@ -467,7 +467,7 @@ def test_on_eight_devices_slow(slow_results, name):
     reason="a limitation: inside the user's own jax.jit on Auto axes an input's placement is "
     "not visible (jax 0.10: jax.typeof(x).sharding of an input placed P('data', None) reads "
     "P(None, None); x.sharding raises on a tracer), so an FSDP parameter's explicit gradient "
-    "comes back replicated, as with jax.grad. Documented (docs/scaling.md, _shard.py): use "
+    "comes back replicated, as with jax.grad. Documented (docs/scaling.md, _layout.py): use "
     "tg.jit, Explicit axes, or tg.shard inside the function",
 )
 def test_bug_jax_jit_explicit_fsdp_gradient_is_replicated(fast_results):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._layout import keep, placements, several_devices, state_on_other_devices
 from ._optstate import (
     _Config,
     build,
@@ -35,7 +36,6 @@ from ._optstep import BadGradient, step, step_donating
 from ._optview import Leaf, OptState, SubState, rule_name
 from ._params import Grads, Params
 from ._paths import rebind
-from ._shard import keep, placements, several_devices, state_on_other_devices
 from ._tree import describe_leaf, first_difference, is_none, tree_map_shared, unique_by_id
 from ._walk import node_types
 

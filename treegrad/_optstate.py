@@ -34,9 +34,9 @@ import numpy as np
 import optax
 
 from ._fasttree import Shape
+from ._layout import place_state
 from ._module import Module, register_child_type
 from ._params import distinct, trainable_leaves_with_path
-from ._shard import place_state
 from ._tree import (
     first_difference,
     functor,

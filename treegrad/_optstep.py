@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._layout import constrain
 from ._optstate import _Config
 from ._optview import rule_name
-from ._shard import constrain
 from ._tree import describe_leaf
 
 # The TypeError of a call missing keyword-only arguments, and their names.

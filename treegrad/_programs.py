@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _guard as G
+from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
-from ._shard import constrain, tracing
 from ._swap import Settle, Swap, Unsettled
 
 if TYPE_CHECKING:
