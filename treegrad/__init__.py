@@ -2,6 +2,11 @@
 
 from . import losses as losses
 from . import nn as nn
+from ._adjust import adjust as adjust
+from ._adjust import adjust_ as adjust_
+from ._adjust import freeze_ as freeze_
+from ._adjust import thaw_ as thaw_
+from ._destructure import destructure as destructure
 from ._engine import RetraceWarning as RetraceWarning
 from ._engine import clear_cache as clear_cache
 from ._gradient import gradient as gradient
@@ -16,12 +21,7 @@ from ._jit import jit as jit
 from ._module import Module as Module
 from ._optim import Leaf as Leaf
 from ._optim import OptState as OptState
-from ._optim import adjust as adjust
-from ._optim import adjust_ as adjust_
-from ._optim import destructure as destructure
-from ._optim import freeze_ as freeze_
 from ._optim import setup as setup
-from ._optim import thaw_ as thaw_
 from ._optim import update as update
 from ._optim import update_ as update_
 from ._params import Grads as Grads

@@ -1,0 +1,221 @@
+"""Changing an optimiser state in place or purely: hyperparameters (`adjust`,
+`adjust_`, on the whole state or a sub-state) and freezing (`freeze_`, `thaw_`).
+
+A sub-state adjusted or frozen apart from the rest gets a part of its own
+(`_optstate.own_part`), so its moments and counters carry over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+
+from ._optstate import _Config, own_part, split_leaves, with_frozen
+from ._optview import Leaf, OptState, SubState, rule_name
+
+
+def _chosen(state: Any, api: str) -> tuple[OptState, list[int], str]:
+    """The root state, the parameters under `state`, and its model path."""
+    if isinstance(state, OptState):
+        return state, list(range(state._config.n)), ""
+    if isinstance(state, (SubState, Leaf)):
+        root = state._root
+        return root, state._params_under(), state._scope()
+    raise TypeError(
+        f"{api} expects an optimiser state from tg.setup, or a part of one (state.l1, "
+        f"state[0]), got {type(state).__name__}"
+    )
+
+
+def _is_injected(x: Any) -> bool:
+    # optax.inject_hyperparams' states (stateful or not) hold a dict `hyperparams`.
+    return isinstance(getattr(x, "hyperparams", None), dict) and hasattr(x, "_replace")
+
+
+def _check_value(name: str, value: Any, api: str) -> Any:
+    if isinstance(value, (str, bytes)) or not isinstance(
+        value, (int, float, np.number, np.ndarray, jax.Array)
+    ):
+        raise TypeError(
+            f"{api}: {name}={value!r} is a {type(value).__name__}; a hyperparameter is a number, "
+            f"e.g. {api}(state, {name}=1e-4)."
+        )
+    return value
+
+
+def _cast(name: str, value: Any, old: Any, api: str) -> Any:
+    new = jnp.asarray(value)
+    if new.shape != jnp.shape(old):
+        raise ValueError(
+            f"{api}: {name} must have shape {jnp.shape(old)} like the rule's, got {new.shape}."
+        )
+    if (new.dtype == jnp.bool_) != (jnp.asarray(old).dtype == jnp.bool_) or (
+        jnp.iscomplexobj(new) and not jnp.iscomplexobj(old)
+    ):
+        raise TypeError(f"{api}: {name} is {jnp.asarray(old).dtype} in the rule, got {new.dtype}.")
+    dtype = jnp.asarray(old).dtype
+    cast = new.astype(dtype)
+    if not bool(jnp.all(cast == new)):
+        # Never truncate: learning_rate=0.5 into an int32 would become 0 and stop training.
+        raise TypeError(
+            f"{api}: {name}={value!r} cannot be held exactly by the rule's {dtype} {name} "
+            f"(the rule was built with an integer, e.g. {name}=1). Build the rule with a "
+            f"float ({name}=1.0) to adjust it to {value!r}."
+        )
+    return cast
+
+
+def _with_hyperparams(state: Any, values: dict[str, Any], rule: Any, api: str) -> Any:
+    """Set hyperparameters in every `inject_hyperparams` state, at any depth of `state`."""
+    found: set[str] = set()
+    available: set[str] = set()
+    injected = False
+
+    def change(x: Any) -> Any:
+        nonlocal injected
+        if not _is_injected(x):
+            return x
+        injected = True
+        hyper = dict(x.hyperparams)
+        scheduled = getattr(x, "hyperparams_states", None) or {}
+        available.update(hyper)
+        for name, value in values.items():
+            if name in hyper:
+                if name in scheduled:
+                    raise TypeError(
+                        f"{api}: {name} follows a schedule in the rule {rule_name(rule)} and is "
+                        "recomputed every step; build the rule with a number for it to adjust it."
+                    )
+                hyper[name] = _cast(name, value, hyper[name], api)
+                found.add(name)
+        return x._replace(hyperparams=hyper)
+
+    new = jax.tree_util.tree_map(change, state, is_leaf=_is_injected)
+    if not injected:
+        raise TypeError(
+            f"{api}: the rule {rule_name(rule)} has no adjustable hyperparameters. Build it "
+            "(or a part of its chain) with optax.inject_hyperparams, e.g. "
+            "tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), model)."
+        )
+    unknown = set(values) - found
+    if unknown:
+        raise TypeError(
+            f"{api}: unknown hyperparameter(s) {sorted(unknown)}; "
+            f"this rule has {sorted(available)}."
+        )
+    return new
+
+
+def _adjusted(state: Any, hyper: dict[str, Any], api: str) -> tuple[OptState, _Config, list[Any]]:
+    root, chosen, scope = _chosen(state, api)
+    if not hyper:
+        raise TypeError(f"{api}: name the hyperparameters to change, e.g. learning_rate=1e-4.")
+    values = {name: _check_value(name, v, api) for name, v in hyper.items()}
+    config, leaves, parts = own_part(root._config, root._leaves, chosen, scope)
+    per_part = split_leaves(config, leaves)
+    for k in parts:
+        part = config.parts[k]
+        new = _with_hyperparams(part.state_def.unflatten(per_part[k]), values, part.rule, api)
+        per_part[k] = jax.tree_util.tree_leaves(new)
+    return root, config, [x for xs in per_part for x in xs]
+
+
+def adjust_(state: Any, **hyper: Any) -> None:
+    """Change hyperparameters (e.g. `learning_rate`) in place, keeping the moments.
+
+    The rule, or a part of its chain, must come from `optax.inject_hyperparams`.
+    Works on a whole state or a part of one (`tg.adjust_(state.l1, learning_rate=1e-4)`);
+    a part that shares its optax state with other parameters first gets its
+    own copy of it (moments and counters included), as if it had been given
+    its own rule, so rules that look across parameters then see it apart.
+
+    Arguments:
+        state: an optimiser state, a sub-state or a `tg.Leaf`.
+        **hyper: new values, e.g. `learning_rate=1e-4`.
+
+    Returns:
+        None; the state is changed in place.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> state = tg.setup(optax.inject_hyperparams(optax.adam)(learning_rate=0.1), [jnp.ones(2)])
+        >>> tg.adjust_(state, learning_rate=0.01)
+        >>> round(float(state[0].state.hyperparams["learning_rate"]), 6)
+        0.01
+    """
+    root, config, leaves = _adjusted(state, hyper, "tg.adjust_")
+    root._install(config, leaves)
+
+
+def adjust(state: Any, **hyper: Any) -> OptState:
+    """Change hyperparameters, pure: returns a new state with the moments kept.
+
+    Arguments:
+        state: from `tg.setup` with a rule built by `optax.inject_hyperparams`
+            (anywhere in its chain), or a part of one (then the whole new state
+            is returned, changed for that part).
+        **hyper: new values, e.g. `learning_rate=1e-4`.
+
+    Returns:
+        A new `OptState`; `state` is unchanged.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> rule = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+        >>> state = tg.setup(rule, {"w": jnp.ones(2)})
+        >>> new = tg.adjust(state, learning_rate=0.5)
+        >>> lr = lambda s: round(float(s["w"].state.hyperparams["learning_rate"]), 6)
+        >>> lr(new), lr(state)
+        (0.5, 0.1)
+    """
+    _, config, leaves = _adjusted(state, hyper, "tg.adjust")
+    return OptState(config, leaves)
+
+
+def freeze_(state: Any) -> None:
+    """Freeze every parameter under `state` (a state, sub-state or Leaf): no more updates.
+
+    Frozen parameters keep their values and their own optax state entries.
+
+    Arguments:
+        state: the (part of the) optimiser state to freeze.
+
+    Returns:
+        None; the state is changed in place.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> model = {"a": jnp.ones(2), "b": jnp.ones(2)}
+        >>> state = tg.setup(optax.sgd(0.1), model)
+        >>> tg.freeze_(state["a"])
+        >>> g = {"a": jnp.ones(2), "b": jnp.ones(2)}
+        >>> state, model = tg.update(state, model, g)
+        >>> model["a"], model["b"]
+        (Array([1., 1.], dtype=float32), Array([0.9, 0.9], dtype=float32))
+    """
+    root, chosen, _ = _chosen(state, "tg.freeze_")
+    root._install(with_frozen(root._config, chosen, True), root._leaves)
+
+
+def thaw_(state: Any) -> None:
+    """Undo `tg.freeze_` on a state, sub-state or Leaf.
+
+    Arguments:
+        state: the (part of the) optimiser state to update again.
+
+    Returns:
+        None; the state is changed in place.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, treegrad as tg
+        >>> state = tg.setup(optax.sgd(0.1), {"w": jnp.ones(2)})
+        >>> tg.freeze_(state["w"]); tg.thaw_(state["w"])
+        >>> state["w"].frozen
+        False
+    """
+    root, chosen, _ = _chosen(state, "tg.thaw_")
+    root._install(with_frozen(root._config, chosen, False), root._leaves)
