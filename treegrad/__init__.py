@@ -14,6 +14,7 @@ from ._gradient import hessian as hessian
 from ._gradient import jacobian as jacobian
 from ._gradient import pullback as pullback
 from ._gradient import withgradient as withgradient
+from ._grads import Grads as Grads
 from ._io import CheckpointError as CheckpointError
 from ._io import load as load
 from ._io import save as save
@@ -24,7 +25,6 @@ from ._optim import OptState as OptState
 from ._optim import setup as setup
 from ._optim import update as update
 from ._optim import update_ as update_
-from ._params import Grads as Grads
 from ._params import NoGradientError as NoGradientError
 from ._params import NoGradientWarning as NoGradientWarning
 from ._params import Params as Params

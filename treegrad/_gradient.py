@@ -22,9 +22,10 @@ import numpy as np
 
 from . import _engine as E
 from . import _programs as P
+from ._grads import Grads
 from ._layout import different_devices, several_devices
 from ._outputs import DYN
-from ._params import Grads, NoGradientError, NoGradientWarning, Params
+from ._params import NoGradientError, NoGradientWarning, Params
 from ._tree import path_str, user_stacklevel
 from ._typing import GradientTree, PyTree
 

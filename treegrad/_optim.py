@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._grads import Grads
 from ._layout import placements, several_devices, state_on_other_devices
 from ._optstate import _Config, build, holders
 from ._optstep import BadGradient, step, step_donating
 from ._optview import Leaf, OptState, SubState
-from ._params import Grads, Params
+from ._params import Params
 from ._paths import rebind
 from ._tree import describe_leaf, first_difference, is_none, tree_map_shared
 from ._walk import node_types

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._fasttree import TAKE, Shape
-from ._params import Grads
+from ._grads import Grads
 from ._paths import get_at, put_at
 from ._tree import functor, unique_by_id
 

@@ -21,9 +21,10 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from ._gradient import withgradient
+from ._grads import Grads
 from ._jit import jit
 from ._optim import OptState, update, update_
-from ._params import Grads, Params
+from ._params import Params
 from ._paths import rebind
 from ._shard import DATA, shard_batch
 from ._tree import describe_leaf, path_str

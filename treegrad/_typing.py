@@ -22,9 +22,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 if TYPE_CHECKING:
+    from ._grads import Grads
     from ._module import Module
     from ._optview import Leaf, OptState, SubState
-    from ._params import Grads, Params
+    from ._params import Params
 
 PyTree: TypeAlias = Any
 """Any JAX pytree: arrays, and lists, tuples, dicts, NamedTuples and registered classes
