@@ -636,7 +636,7 @@ def test_equinox_layer_in_chain_is_static():
     x = jnp.array([0.5, -1.0])
     ref = jax.grad(lambda layer: jnp.sum(jnp.tanh(layer(x))))(lin)
     arrays = [a for a in jax.tree_util.tree_leaves(chain) if isinstance(a, jax.Array)]
-    assert len(arrays) == 2  # the Linear's weight and bias (tanh is a non-array leaf)
+    assert len(arrays) == 2  # the Linear's weight and bias (tanh is static data)
     (g,) = tg.gradient(lambda c: jnp.sum(c(x)), chain)
     close(g.layers[0].weight, ref.weight, 1e-5)
 

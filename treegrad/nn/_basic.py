@@ -28,12 +28,19 @@ def check_features(
         )
 
 
+def as_int(value: Any) -> int | None:
+    """`value` as an int when it is an integer (numpy ints too, not bools or floats), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_size(layer: str, name: str, value: Any) -> int:
     """A layer size argument: a positive int (numpy ints too, not bools or floats)."""
-    try:
-        n = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        n = None
+    n = as_int(value)
     if n is None:
         raise TypeError(f"{layer}: {name} must be a positive int, got {value!r}.")
     if n <= 0:
@@ -53,6 +60,32 @@ def check_key(layer: str, key: Any) -> None:
         )
 
 
+def check_activation(layer: str, activation: Any, *, optional: bool = True) -> None:
+    """An activation: a function (or None for the identity, where `optional`)."""
+    if activation is None and optional:
+        return
+    if not callable(activation):
+        none = " or None" if optional else ""
+        raise TypeError(
+            f"{layer}: activation must be a function{none}, e.g. jax.nn.relu, got {activation!r}."
+        )
+
+
+def check_float_dtype(layer: str, dtype: Any, *, complex_ok: bool = False) -> None:
+    """A parameter dtype: floating point (or complex), since parameters are trained by their
+    gradients; an integer one would never be differentiated."""
+    try:
+        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.inexact if complex_ok else jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        kind = "floating-point or complex" if complex_ok else "floating-point"
+        raise TypeError(
+            f"{layer}: dtype must be a {kind} dtype (parameters are trained by their "
+            f"gradients), e.g. jnp.float32 or jnp.bfloat16, got {dtype!r}."
+        )
+
+
 def check_rate(layer: str, name: str, value: Any, closed: bool) -> None:
     interval = "[0, 1]" if closed else "[0, 1)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -68,9 +101,11 @@ class Dense(Module):
     Arguments:
         in_features: size of the last axis of the input.
         out_features: size of the last axis of the output.
-        activation: a function applied to the output (default: identity).
+        activation: a function applied to the output, e.g. `jax.nn.relu`
+            (default: identity); anything else is refused here.
         key: a `jax.random` key for the Glorot-uniform initialisation of `weight`.
         use_bias: whether to add `bias` (zeros at initialisation).
+        dtype: a floating-point (or complex) dtype for the parameters.
 
     `weight` has shape `(out_features, in_features)`, `bias` `(out_features,)`,
     and `(..., in_features)` maps to `(..., out_features)`.
@@ -97,6 +132,8 @@ class Dense(Module):
     ):
         in_features = check_size("Dense", "in_features", in_features)
         out_features = check_size("Dense", "out_features", out_features)
+        check_activation("Dense", activation)
+        check_float_dtype("Dense", dtype, complex_ok=True)
         check_key("Dense", key)
         init = jax.nn.initializers.glorot_uniform()
         self.weight = init(key, (out_features, in_features), dtype)
@@ -117,20 +154,46 @@ class Dense(Module):
         return f"Dense({self.in_features} => {self.out_features}{', ' + act if act else ''})"
 
 
+class _Function(Module):
+    """A function layer of a Chain (`jax.nn.relu`), held as static data.
+
+    In a list a function is a pytree leaf, and `jax.eval_shape` or `jax.jit`
+    cannot return a model with one; as an attribute of a Module it is static
+    data, carried in the treedef.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any]):
+        self.fn = fn
+
+    def __call__(self, x: Any) -> Any:
+        return self.fn(x)
+
+    def __str__(self) -> str:
+        return getattr(self.fn, "__name__", None) or repr(self.fn)
+
+
+def _unwrap(layer: Any) -> Any:
+    return layer.fn if type(layer) is _Function else layer
+
+
 class Chain(Module):
     """Layers applied in order; indexable (`chain[0]`) and sliceable (`chain[1:]`).
 
     Arguments:
         *layers: callables (usually Modules) applied in order; a `key` passed
-            to the chain is split among the layers that take one.
+            to the chain is split among the layers that take one. A plain
+            function (`jax.nn.relu`) is static data, so `jax.eval_shape` and
+            `jax.jit` can return a chain that holds one.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from treegrad import nn
         >>> k1, k2 = jax.random.split(jax.random.key(0))
-        >>> model = nn.Chain(nn.Dense(2, 4, jax.nn.relu, key=k1), nn.Dense(4, 1, key=k2))
+        >>> model = nn.Chain(nn.Dense(2, 4, key=k1), jax.nn.relu, nn.Dense(4, 1, key=k2))
         >>> model(jnp.ones((3, 2))).shape, len(model), type(model[1:]).__name__
-        ((3, 1), 2, 'Chain')
+        ((3, 1), 3, 'Chain')
+        >>> model[1] is jax.nn.relu
+        True
     """
 
     takes_key: ClassVar[bool] = True
@@ -142,7 +205,12 @@ class Chain(Module):
                     f"Chain: layer {i} is a {type(layer).__name__}, not callable; pass layers "
                     "or functions, e.g. nn.Chain(nn.Dense(2, 4, key=k), jax.nn.relu)."
                 )
-        self.layers = list(layers)
+        self.layers: list[Any] = [
+            _Function(layer)
+            if not isinstance(layer, Module) and jax.tree_util.all_leaves([layer])
+            else layer
+            for layer in layers
+        ]
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
         """Apply the layers; `key` is split among layers that take one (Dropout)."""
@@ -157,13 +225,13 @@ class Chain(Module):
     def __getitem__(self, i: int | slice) -> Any:
         if isinstance(i, slice):
             return Chain(*self.layers[i])
-        return self.layers[i]
+        return _unwrap(self.layers[i])
 
     def __len__(self) -> int:
         return len(self.layers)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.layers)
+        return map(_unwrap, self.layers)
 
     def __str__(self) -> str:
         return "Chain(" + ", ".join(str(layer) for layer in self.layers) + ")"
@@ -176,6 +244,10 @@ class Embedding(Module):
         vocab_size: number of rows.
         features: size of each embedding vector.
         key: PRNG key for the standard-normal initialisation.
+
+    An index out of range (negative ones included) is an `IndexError` when the
+    indices are concrete, and gives a row of NaN when they are traced (under
+    `jax.jit` or `jax.vmap`), where they cannot be checked.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -190,6 +262,7 @@ class Embedding(Module):
     def __init__(self, vocab_size: int, features: int, *, key: Any, dtype: Any = jnp.float32):
         vocab_size = check_size("Embedding", "vocab_size", vocab_size)
         features = check_size("Embedding", "features", features)
+        check_float_dtype("Embedding", dtype, complex_ok=True)
         check_key("Embedding", key)
         self.weight = jax.random.normal(key, (vocab_size, features), dtype)
         self.vocab_size = vocab_size
@@ -210,7 +283,11 @@ class Embedding(Module):
                 )
         # Traced, the indices cannot be checked here: an index out of range gives a row
         # of NaN (JAX would clamp it to the last row, a wrong value without a word).
-        return jnp.take(self.weight, idx, axis=0, mode="fill", fill_value=jnp.nan)
+        rows = jnp.take(self.weight, idx, axis=0, mode="fill", fill_value=jnp.nan)
+        if jnp.issubdtype(idx.dtype, jnp.signedinteger):
+            # mode="fill" counts -n..-1 from the end, as NumPy does: -1 would be the last row.
+            rows = jnp.where((idx < 0)[..., None], jnp.nan, rows)
+        return rows
 
     def __str__(self) -> str:
         return f"Embedding({self.vocab_size} => {self.features})"

@@ -15,16 +15,18 @@ import jax
 import jax.numpy as jnp
 
 from .._module import Module
-from ._basic import check_features, check_key, check_size
+from ._basic import check_activation, check_features, check_float_dtype, check_key, check_size
 
 
 def _glorot(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return jax.nn.initializers.glorot_uniform()(key, shape, dtype)
 
 
-def _sizes(layer: str, in_features: Any, hidden: Any, key: Any) -> tuple[int, int]:
+def _sizes(layer: str, in_features: Any, hidden: Any, key: Any, dtype: Any) -> tuple[int, int]:
+    sizes = check_size(layer, "in_features", in_features), check_size(layer, "hidden", hidden)
+    check_float_dtype(layer, dtype, complex_ok=True)
     check_key(layer, key)
-    return check_size(layer, "in_features", in_features), check_size(layer, "hidden", hidden)
+    return sizes
 
 
 class RNNCell(Module):
@@ -33,7 +35,7 @@ class RNNCell(Module):
     Arguments:
         in_features: size of each input.
         hidden: size of the hidden state.
-        activation: applied to the new state (default tanh).
+        activation: a function applied to the new state (default tanh).
         key: PRNG key (Glorot-uniform input weights, orthogonal recurrent weights).
 
     Examples:
@@ -56,10 +58,13 @@ class RNNCell(Module):
         key: Any,
         dtype: Any = jnp.float32,
     ):
-        in_features, hidden = _sizes("RNNCell", in_features, hidden, key)
+        in_features, hidden = _sizes("RNNCell", in_features, hidden, key, dtype)
+        check_activation("RNNCell", activation, optional=False)
         k1, k2 = jax.random.split(key)
         self.Wi = _glorot(k1, (hidden, in_features), dtype)
-        self.Wh = jax.nn.initializers.orthogonal()(k2, (hidden, hidden), dtype)
+        # The QR behind it has no bfloat16 or float16 kernel on CPU: built in float32.
+        init = jax.nn.initializers.orthogonal()
+        self.Wh = init(k2, (hidden, hidden), jnp.promote_types(dtype, jnp.float32)).astype(dtype)
         self.b = jnp.zeros((hidden,), dtype)
         self.activation = activation
         self.in_features = in_features
@@ -98,7 +103,7 @@ class LSTMCell(Module):
     __trainable__ = ("Wi", "Wh", "b")
 
     def __init__(self, in_features: int, hidden: int, *, key: Any, dtype: Any = jnp.float32):
-        in_features, hidden = _sizes("LSTMCell", in_features, hidden, key)
+        in_features, hidden = _sizes("LSTMCell", in_features, hidden, key, dtype)
         k1, k2 = jax.random.split(key)
         self.Wi = _glorot(k1, (4 * hidden, in_features), dtype)
         self.Wh = _glorot(k2, (4 * hidden, hidden), dtype)
@@ -151,7 +156,7 @@ class GRUCell(Module):
     __trainable__ = ("Wi", "Wh", "bi", "bh")
 
     def __init__(self, in_features: int, hidden: int, *, key: Any, dtype: Any = jnp.float32):
-        in_features, hidden = _sizes("GRUCell", in_features, hidden, key)
+        in_features, hidden = _sizes("GRUCell", in_features, hidden, key, dtype)
         k1, k2 = jax.random.split(key)
         self.Wi = _glorot(k1, (3 * hidden, in_features), dtype)
         self.Wh = _glorot(k2, (3 * hidden, hidden), dtype)
@@ -183,6 +188,9 @@ class Recurrence(Module):
 
     `Recurrence(cell)(state, xs)` returns `(final_state, ys)` with `ys` stacked
     along time. The state is explicit: pass `cell.initial_state(batch_shape)`.
+    A state given as a list where the cell returns a tuple (`[h, c]` for an
+    LSTM) is taken as that tuple; a state whose shapes or dtypes the cell does
+    not keep is an error that says which `initial_state` to start from.
 
     Arguments:
         cell: a Module mapping `(state, x)` to `(new_state, y)`.
@@ -206,7 +214,74 @@ class Recurrence(Module):
         self.cell = cell
 
     def __call__(self, state: Any, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(lambda s, x: self.cell(s, x), state, xs)
+        try:
+            return jax.lax.scan(self._step, state, xs)
+        except TypeError:
+            # lax.scan's error names neither the layer nor the fix. Diagnosed only on
+            # failure: it traces the cell once more.
+            converted = self._state_as_the_cell_returns_it(state, xs)
+            if converted is None:
+                raise
+        return jax.lax.scan(self._step, converted, xs)
+
+    def _step(self, state: Any, x: Any) -> tuple[Any, Any]:
+        out: tuple[Any, Any] = self.cell(state, x)
+        return out
+
+    def _state_as_the_cell_returns_it(self, state: Any, xs: Any) -> Any:
+        """`state` in the structure of the cell's new state (a list as the cell's tuple),
+        or None when lax.scan failed for another reason; a clear error when the cell
+        changes the state's shapes or dtypes."""
+
+        def spec(a: Any, drop: int = 0) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(jnp.shape(a)[drop:], jnp.result_type(a))
+
+        step_x = jax.tree.map(lambda a: spec(a, 1), xs)
+        try:
+            new = jax.eval_shape(lambda s, x: self.cell(s, x)[0], state, step_x)
+        except TypeError:
+            return None  # the cell's own error, which lax.scan raised
+        leaves, tree_ = jax.tree.flatten(state)
+        new_leaves, new_tree_ = jax.tree.flatten(new)
+        tree: Any = tree_  # mypy cannot resolve jax's PyTreeDef type (to compare it)
+        new_tree: Any = new_tree_
+        if tree != new_tree:
+            if jax.tree.structure(_lists_as_tuples(state)) != new_tree:
+                raise TypeError(
+                    f"{self}: the state has structure {tree} but the cell returns a new state "
+                    f"of structure {new_tree}; start from cell.initial_state(batch_shape)."
+                )
+            state = jax.tree.unflatten(new_tree, leaves)
+        for old, out in zip(map(spec, leaves), new_leaves, strict=True):
+            if (old.shape, old.dtype) != (out.shape, out.dtype):
+                raise ValueError(
+                    f"{self}: the state has a part of shape {old.shape} and dtype {old.dtype}, "
+                    f"but the cell returns it with shape {out.shape} and dtype {out.dtype} for "
+                    f"inputs {jax.tree.map(lambda a: a.shape, step_x)} per step; start from "
+                    f"cell.initial_state(batch_shape){self._hint(step_x, new)}."
+                )
+        return None if tree == new_tree else state
+
+    def _hint(self, step_x: Any, new: Any) -> str:
+        """`, here cell.initial_state((5,))` when that state is the one the cell keeps."""
+        if not (hasattr(self.cell, "initial_state") and hasattr(step_x, "shape")):
+            return ""
+        batch_shape = tuple(step_x.shape[:-1])
+        try:
+            want = jax.eval_shape(lambda: self.cell.initial_state(batch_shape))
+        except (TypeError, ValueError):
+            return ""
+        if jax.tree.map(lambda a: (a.shape, a.dtype), want) != jax.tree.map(
+            lambda a: (a.shape, a.dtype), new
+        ):
+            return ""
+        return f", here cell.initial_state({batch_shape!r})"
 
     def __str__(self) -> str:
         return f"Recurrence({self.cell})"
+
+
+def _lists_as_tuples(tree: Any) -> Any:
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return tuple(_lists_as_tuples(v) for v in tree)
+    return tree
