@@ -32,6 +32,7 @@ def test_recurrent_named_grads(capsys):
         assert name in out
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_dqn_mistake_and_fix():
     dqn = load("dqn_cartpole")
     import jax
@@ -76,6 +77,7 @@ def test_digits_train_checkpoint(tmp_path):
     assert (tmp_path / "digits.npz").exists()
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_implicit_vs_explicit():
     curves = load("implicit_vs_explicit").main(steps=30, verbose=False)
     assert curves["explicit"] == curves["implicit"]

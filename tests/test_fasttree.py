@@ -283,6 +283,7 @@ def test_tied_arguments_after_untied_ones_are_not_confused():
     assert g2["b"] is None
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_update_fast_path_matches_optax_after_an_attribute_is_replaced():
     opt = optax.adam(0.1)
     m = nn.Chain(nn.Dense(2, 2, key=jax.random.key(0)), nn.Dense(2, 1, key=jax.random.key(1)))

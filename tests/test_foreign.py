@@ -11,6 +11,7 @@ import treegrad as tg
 eqx = pytest.importorskip("equinox")
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_equinox_model_both_styles_and_optimiser():
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     x, y = jnp.ones((5, 3)), jnp.zeros((5, 2))

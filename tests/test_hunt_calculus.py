@@ -536,6 +536,7 @@ def test_ensemble_vmapped_over_the_model_explicit_and_implicit():
     assert_trees_close(implicit, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_implicit_mode_inside_jax_jit_with_a_traced_model_and_global_params():
     model = nn.Dense(4, 1, key=jax.random.key(0))
 

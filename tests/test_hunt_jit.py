@@ -138,6 +138,7 @@ def test_static_counter_on_a_captured_module(rebind_w):
     assert m.calls == ref.calls == 3
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("donate", [False, True])
 def test_implicit_step_with_the_model_as_an_argument(donate):
     def run(compiled):
@@ -438,6 +439,7 @@ def optax_tied(n=3):
     return params
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_compiled_implicit_step_keeps_a_tied_weight_tied_and_equals_optax():
     ref = optax_tied()
     for compiled in (True, False):
@@ -648,6 +650,7 @@ def test_per_example_gradients_implicit_under_vmap_and_tg_jit():
     assert_close_trees(jax.jit(jax.vmap(per_example))(X, Y), ref)
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_tg_jit_of_a_vmapped_function_is_cached_and_fresh():
     model = make()
     ps = tg.params(model)

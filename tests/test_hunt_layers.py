@@ -788,6 +788,7 @@ def test_vmap_over_an_ensemble_of_layers_equals_a_loop_over_members():
 # --- recurrent cells and Recurrence --------------------------------------------------
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("name", sorted(CELLS))
 def test_cells_match_flax_cells_batched_unbatched_integer_input_and_gradient(name):
     make, names, ref_step = CELLS[name]
@@ -823,6 +824,7 @@ def flax_sequence(ref_step, a, state, xs, hidden):
     return state, (jnp.stack(ys) if ys else jnp.zeros((0, *batch, hidden)))
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_recurrence_of_length_0_1_3_matches_a_loop_of_flax_cells():
     rnns = build(
         lambda: [

@@ -805,6 +805,7 @@ def test_repr_of_none_in_a_dict():
     assert "    gone = None" in text.splitlines(), text
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_flax_nnx_state_implicit_gradient():
     nnx = pytest.importorskip("flax.nnx")
     graphdef, state = nnx.split(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))

@@ -546,6 +546,7 @@ def _dotted(path):
     return ".".join(str(k.key) for k in path)
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("name", FROZEN_PART_RULES)
 @pytest.mark.parametrize("split_first", [False, True])
 def test_freezing_a_sub_state_with_its_own_hyperparameters(name, split_first):

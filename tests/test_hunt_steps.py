@@ -860,6 +860,7 @@ def test_bug_unread_counter_on_a_captured_object_retraces_every_call():
     assert len(traces) == 1  # seen: 3, one trace (and compile) per step, no warning
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("compiled", [False, True])
 def test_static_edit_of_the_model_rejects_the_optimiser_state(compiled):
     class Drop(tg.Module):
