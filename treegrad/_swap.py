@@ -270,6 +270,25 @@ class Settle:
             self.demoted = True
         return Unchecked()
 
+    def _entries(self, items: list[tuple[Any, Node]], d: dict[Any, Any]) -> list[tuple[Any, Node]]:
+        """The entries of a dict (or an object's `__dict__`) after a trace. Entries the
+        function added (a default filled in on first use, lazy initialisation, a
+        cached_property) are its own outputs, not checked; one it removed is no
+        longer read. The others stay checked: the function may read them (as
+        uncompiled, they stay fresh)."""
+        out = []
+        for key, child in items:
+            if key in d:
+                out.append((key, self._entry(child, d[key], d.__setitem__, key)))
+            elif has_places(child):
+                raise Unsettled
+            else:
+                self.demoted = True
+        known = {key for key, _ in items}
+        for key in [k for k in d if k not in known]:
+            out.append((key, self._added(d[key], functools.partial(d.pop, key, None))))
+        return out
+
     def _entry(self, node: Node, value: Any, put: Callable[[Any, Any], Any], key: Any) -> Node:
         """`self.node` for an entry of a dict or object; a number or library object there
         that the function replaced by a value computed from traced arrays (a lazy
@@ -341,22 +360,8 @@ class Settle:
         if isinstance(node, Map):
             if type(v) is not node.type:
                 return self._demote(node, v)
-            # Entries the function added (a default filled in on first use) are its own
-            # outputs, not checked; one it removed is no longer read. The others stay
-            # checked: the function may read them (as uncompiled, they stay fresh).
-            items = []
-            for key, child in node.items:
-                if key in v:
-                    items.append((key, self._entry(child, v[key], v.__setitem__, key)))
-                elif has_places(child):
-                    raise Unsettled
-                else:
-                    self.demoted = True
-            known = {key for key, _ in node.items}
-            for key in [k for k in v if k not in known]:
-                items.append((key, self._added(v[key], functools.partial(v.pop, key, None))))
-            node.items = items
-            return self._container(node, [c for _, c in items])
+            node.items = self._entries(node.items, v)
+            return self._container(node, [c for _, c in node.items])
         if isinstance(node, Func):
             if type(v) is not types.FunctionType or v.__code__ is not node.code:
                 return self._demote(node, v)
@@ -421,21 +426,7 @@ class Settle:
         if isinstance(node, Obj):
             if type(v) is not node.type.get():
                 return self._demote(node, v)
-            d = getattr(v, "__dict__", {})
-            # As for a dict: attributes the function set (lazy initialisation, a
-            # cached_property) are its outputs; the others stay checked.
-            attrs = []
-            for k, c in node.attrs:
-                if k in d:
-                    attrs.append((k, self._entry(c, d[k], d.__setitem__, k)))
-                elif has_places(c):
-                    raise Unsettled
-                else:
-                    self.demoted = True
-            known = {k for k, _ in node.attrs}
-            for k in [k for k in d if k not in known]:
-                attrs.append((k, self._added(d[k], functools.partial(d.pop, k, None))))
-            node.attrs = attrs
+            node.attrs = self._entries(node.attrs, getattr(v, "__dict__", {}))
             node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
             return node
         if isinstance(node, Tree):
@@ -461,7 +452,7 @@ class Settle:
             return node
         if isinstance(node, Attrs):
             d = vars(node.obj.get())
-            attrs = []
+            attrs: list[tuple[str, Node]] = []
             for name, child in node.attrs:
                 value = d.get(name, MISSING)
                 if value is MISSING and isinstance(child, Const) and child.value is MISSING:
