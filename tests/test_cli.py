@@ -11,6 +11,7 @@ import pytest
 from treegrad import _bench, _cli
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_demo_quick_agrees_and_writes_plot(tmp_path, capsys):
     png = tmp_path / "curve.png"
     assert _cli.main(["demo", "--quick", "--plot", str(png)]) == 0

@@ -196,7 +196,9 @@ def test_copy_button_strips_prompts_output_and_raising_lines():
 
 
 # The docstrings' run takes 7 s on a quiet 2-core machine (one compile per example).
-@pytest.mark.parametrize("source", ["pages", pytest.param("docstrings", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "source", [pytest.param(s, marks=pytest.mark.slow) for s in ("pages", "docstrings")]
+)
 def test_copied_code_runs(source, tmp_path, monkeypatch):
     """Each page's copied blocks, pasted in order into one script, run; so does each
     docstring's example on its own."""

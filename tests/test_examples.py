@@ -24,6 +24,7 @@ def test_linear_both_styles():
     np.testing.assert_allclose(out["explicit"], out["implicit"], rtol=1e-6)
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_recurrent_named_grads(capsys):
     losses = load("recurrent_named_grads").main(steps=40, verbose=True)
     assert losses[-1] < losses[0]

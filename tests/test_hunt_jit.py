@@ -174,6 +174,7 @@ def test_implicit_step_with_the_model_as_an_argument(donate):
     assert not any(a.is_deleted() for a in leaves(got))
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_grads_returned_from_tg_jit_is_a_clear_error_and_its_tree_is_right():
     model = make()
     ps = tg.params(model)

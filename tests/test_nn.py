@@ -209,6 +209,7 @@ def test_recurrent_cells_against_numpy_over_a_sequence():
     np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("cell_type", [nn.RNNCell, nn.LSTMCell, nn.GRUCell])
 def test_recurrence_gradients_match_jax_grad(cell_type):
     rnn = nn.Recurrence(cell_type(2, 3, key=K))

@@ -321,6 +321,7 @@ def test_complex_parameters_like_plain_optax():
     np.testing.assert_allclose(model["z"], target, atol=0.05)
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_destructure_round_trip_and_gradient():
     model = MLP(jax.random.key(0))
     flat, rebuild = tg.destructure(model)

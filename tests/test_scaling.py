@@ -162,6 +162,7 @@ def test_shard_batch_places_each_leaf(mesh):
 # -------------------------------------------------------------- tg.train(mesh=)
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_train_with_a_mesh_equals_plain_optax(mesh):
     rng = np.random.default_rng(0)
     data = [

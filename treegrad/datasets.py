@@ -35,7 +35,8 @@ def split(
     """Shuffle and split into `(train, test)` pairs.
 
     Arguments:
-        x, y: inputs and labels, as many of each.
+        x: inputs, one row per example.
+        y: labels, as many as `x` has rows.
         test_fraction: the share of examples in the test set (rounded down), in
             [0, 1): 0 puts every example in the training set; 1 would leave it
             empty and is refused.
