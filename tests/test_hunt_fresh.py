@@ -876,7 +876,12 @@ def test_module_level_getattr():
     fresh_after(lambda v: jnp.sum(v) * mod.scale, lambda: store.__setitem__("scale", 5.0))
 
 
-def test_dict_reordered_with_the_same_keys():
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG (open, by choice): a dict reordered with the same keys is not seen; checking "
+    "the order would re-trace every dict model after its first tg.update (sorted keys)",
+)
+def test_bug_dict_reordered_with_the_same_keys():
     d = {"a": 1.0, "b": 2.0}
     f = lambda v: jnp.sum(v) * next(iter(d.values()))
     check_both(f)

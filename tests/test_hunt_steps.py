@@ -333,7 +333,8 @@ class World:
         assert_same(back, tree, exact=True)
         assert ties(back["model"]) == ties(self.model)
         self.model, self.state = back["model"], back["state"]
-        self.ps, self.union = tg.params(self.model), False
+        parts = self.kind.parts(self.model)
+        self.ps = tg.Params([tg.params(p) for p in parts]) if self.union else tg.params(self.model)
 
     def op_train_ps(self):
         data = [BATCHES[self.batch], BATCHES[1 - self.batch]]
@@ -427,7 +428,14 @@ def run_program(kind, rule, ops):
                         warnings.simplefilter("error")
                         w.op(name)
                     errors.append(None)
-                except (ValueError, TypeError, KeyError, UserWarning, RuntimeError) as e:
+                except (
+                    ValueError,
+                    TypeError,
+                    KeyError,
+                    AttributeError,
+                    UserWarning,
+                    RuntimeError,
+                ) as e:
                     errors.append(f"{type(e).__name__}: {e}")
                     assert_unchanged(w, snap)  # a failed step changed nothing
             assert errors[0] == errors[1], (
@@ -462,7 +470,7 @@ def test_random_programs_compiled_equal_uncompiled(kind, rule, ops):
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(
     kind=st.sampled_from(["module", "dict", "eqx"]),
     rule=st.sampled_from(list(RULES)),
@@ -1178,5 +1186,7 @@ def test_replacing_a_layer_by_another_activation_and_back(compiled):
         jstep(X8, Y8)
         g = jax.grad(net_loss)(ref, X8, Y8)
         ref = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, ref, g)
-        assert_same(model, ref, tol=1e-6)
-        assert traces[-1] is act  # (a new state re-traces: a new config, not stale)
+        assert_same(model, ref, tol=1e-6)  # never stale: each activation's own program
+    # one trace per distinct activation compiled (a layer put back hits its program)
+    assert len(traces) == (3 if compiled else len(acts))
+    assert set(map(id, traces)) == set(map(id, acts))

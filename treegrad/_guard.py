@@ -184,9 +184,11 @@ def _is_pytree_node(x: Any) -> bool:
     r = _PYTREE_NODE.get(t)
     if r is None:
         try:
-            r = isinstance(x, Module) or not jax.tree_util.treedef_is_leaf(
-                jax.tree_util.tree_structure(x)
-            )
+            # Whether the type is a registered node, not whether this value has leaves:
+            # cached by type, an empty one (the state of optax.sgd) must not make
+            # every later one of its type a leaf.
+            treedef: Any = jax.tree_util.tree_structure(x)  # jaxlib's stub lacks node_data
+            r = isinstance(x, Module) or treedef.node_data() is not None
         except (TypeError, ValueError):  # a pytree that cannot flatten this value (unsortable keys)
             return False
         _PYTREE_NODE[t] = r
