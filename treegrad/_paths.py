@@ -43,7 +43,7 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             # Frozen dataclass-style models (e.g. equinox) refuse setattr;
             # object.__setattr__ is how their own tree_at-style helpers write.
             object.__setattr__(node, key.name, value)
-        except Exception:
+        except Exception:  # a foreign setattr's own refusal (flax nnx: TraceContextError)
             if isinstance(node, Module):
                 raise
             # A foreign pytree's setattr refusing for a reason of its own: flax nnx's
