@@ -44,7 +44,7 @@ from . import _jaxpr
 from ._call import _GROUPS, DTYPE, Call, links, picker, root_keys, uniq_in_groups
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
-from ._layout import placements
+from ._layout import placements, several_devices
 from ._outputs import DYN, Packed, Written, _Aux, expand, shared_nodes, split_unique, uniq
 from ._paths import _LAST, _SETTERS, get_at, put_at
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
@@ -131,6 +131,7 @@ class Entry:
         self._wrt_kinds: tuple[bool, ...] = ()
         self._donate_fn = donate
         self._shardings_fn = shardings
+        self._multi = several_devices()  # fixed for the life of the process
         self.jitted: Any = None
         # While tracing: the mesh sharding of each input (None: not on a mesh).
         self.placement: tuple[Any, ...] | None = None
@@ -248,6 +249,8 @@ class Entry:
 
     def matches(self, cl: list[Any], params: Sequence[Any] | None) -> list[Any] | None:
         """The closure's unique inputs if this entry's ties and parameters fit, else None."""
+        if params is None and self.cl_slots is None and len(set(map(id, cl))) == len(cl):
+            return cl  # explicit mode, no array captured twice: the usual case, in C
         cl_uniq, slots = uniq(cl)
         if slots != self.cl_slots:
             return None
@@ -336,7 +339,8 @@ class Entry:
     def run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
         self.stack.append(roots)
         try:
-            program = self.compiled(dyn)
+            # On one device there is one program (`compiled` picks one per placement).
+            program = self.compiled(dyn) if self._multi else self.jitted
             out = program(*dyn, cotangent()) if self.program == GRAD else program(*dyn)
         finally:
             self.stack.pop()
@@ -351,21 +355,27 @@ class Entry:
             aux, places, index = sig
             deps: list[Any] | None = None if self.program == GRAD else []
             packed = Packed(arrays, aux)
-            written = Written(places, index, values)
-        elif self.program == GRAD:
-            grads, packed, written = out
-            deps = None
+            if places:
+                self._write_back(roots, Written(places, index, values))
         else:
-            deps, packed, grads, written = out
+            if self.program == GRAD:
+                grads, packed, written = out
+                deps = None
+            else:
+                deps, packed, grads, written = out
+            if written.places:
+                self._write_back(roots, written)
         if self.program == GRAD and not self.implicit:
-            grads = self._grad_tree(grads)
-        if written.places:
-            self._write_back(roots, written)
+            # `_grad_tree`, inline: this runs on every call.
+            grads = (self._grad_shape or self._make_grad_shape()).unflatten(grads)
         return deps, packed, grads
 
     def _grad_tree(self, grads: list[Any]) -> Any:
         """The explicit gradients (in `grad_order`) in the arguments' structure: None at
         static leaves, inputs not differentiated and a tied array's later places."""
+        return (self._grad_shape or self._make_grad_shape()).unflatten(grads)
+
+    def _make_grad_shape(self) -> Shape:
         shape = self._grad_shape
         if shape is None:
             spec: list[Any] = []
@@ -377,7 +387,7 @@ class Entry:
                 spec.append(TAKE if take else None)
                 first.add(u)
             shape = self._grad_shape = Shape(self.a_def, spec=spec)
-        return shape.unflatten(grads)
+        return shape
 
     def _write_back(self, roots: tuple[Any, ...], written: Written) -> None:
         writer = self._writers.get(written.places)
@@ -509,11 +519,14 @@ def execute(
         shape, slots, last, groups, shared = recent
         leaves = shape.flatten(args)
         if leaves is not None:
-            a_uniq, a_slots = uniq_in_groups(leaves, groups)
-            if a_slots == slots and (a_slots is None or shared_nodes(args) == shared):
-                hit = _lookup(last, roots, a_uniq, params)
-                if hit is not None:
-                    return hit
+            if slots is None and len(set(map(id, leaves))) == len(leaves):
+                hit = _lookup(last, roots, leaves, params)  # no tied arrays: the usual case
+            else:
+                a_uniq, a_slots = uniq_in_groups(leaves, groups)
+                same = a_slots == slots and (a_slots is None or shared_nodes(args) == shared)
+                hit = _lookup(last, roots, a_uniq, params) if same else None
+            if hit is not None:
+                return hit
     call = Call(program, options, roots, args)
     bucket = _CACHE.get(call.key)
     if bucket is not None:

@@ -102,7 +102,11 @@ class Jitted:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._plain and not kwargs and not any(map(_is_function, args)):
+        if (
+            self._plain
+            and not kwargs
+            and (_NOT_FUNCTIONS.issuperset(map(type, args)) or not any(map(_is_function, args)))
+        ):
             # No static or callable argument (a training step): the arguments as given.
             _, (_, packed, _) = E.execute(
                 P.CALL, "tg.jit", self._options, (self.__wrapped__,), (args, {}), make=self._entry
@@ -188,12 +192,19 @@ _IS_FUNCTION: dict[type, bool] = {}
 E.MEMOS.append(_IS_FUNCTION)
 
 
+# The argument types seen that are not functions: checked for all arguments in C.
+_NOT_FUNCTIONS: set[type] = set()
+E.MEMOS.append(_NOT_FUNCTIONS)
+
+
 def _is_function(a: Any) -> bool:
     """Whether an argument is a function (guarded and traced through, not static data)."""
     t = type(a)
     r = _IS_FUNCTION.get(t)
     if r is None:
         r = _IS_FUNCTION[t] = issubclass(t, _FUNCTION_TYPES)
+        if not r:
+            _NOT_FUNCTIONS.add(t)
     return r
 
 

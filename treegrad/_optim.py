@@ -186,7 +186,7 @@ def _from_tree(
                 f"{api}: the gradient at '{config.paths[p]}' is a {type(g).__name__} "
                 f"({g!r:.40}); expected {expected}. Pass the gradient tree that tg.gradient gives."
             )
-    return config.pick_trainable(g_leaves)
+    return g_leaves if config.plain else config.pick_trainable(g_leaves)
 
 
 def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: list[Any], api: str):
@@ -221,7 +221,7 @@ def _inputs(
 ) -> tuple[tuple[Any, ...], Any]:
     tracing = bool(params) and isinstance(params[0], jax.core.Tracer)
     if not _has_none(grads):
-        return tuple(grads), config.present((), tracing)
+        return tuple(grads), config.present_all(tracing)
     missing = tuple(k for k, g in enumerate(grads) if g is None)
     filled = list(grads)
     for k in missing:
@@ -325,7 +325,7 @@ def _run(
         config.shape(m_leaves)
     if in_place:
         _check_rebindable(config, model, api)
-    params = config.pick_first(m_leaves)
+    params = m_leaves if config.plain else config.pick_first(m_leaves)
     _check_ties(config, m_leaves, params, api)
     if isinstance(grads, Grads):
         g = _from_mapping(config, grads, m_leaves, params, api)
@@ -333,8 +333,11 @@ def _run(
         g = _from_tree(config, m_def, m_leaves, model, grads, api)
     g_in, present = _inputs(config, g, params, donate)
     run = step_donating if donate else step
-    updated = tuple(config.pick_updated(params))
-    kept = tuple(config.pick_kept(params))
+    if config.kept:
+        updated = tuple(config.pick_updated(params))
+        kept = tuple(config.pick_kept(params))
+    else:  # nothing frozen: the usual case
+        updated, kept = tuple(params), ()
     placed = placements((*state._leaves, *updated)) if several_devices() else None
     try:
         leaves, new_updated = run(config, placed, state._leaves, updated, kept, g_in, present)
@@ -346,9 +349,12 @@ def _run(
             state_on_other_devices(state, params, g, api, e)
         _check_avals(config, params, api, e)
         raise
-    new_params = list(params)
-    for i, x in zip(config.updated, new_updated, strict=True):
-        new_params[i] = x
+    if config.kept:
+        new_params = list(params)
+        for i, x in zip(config.updated, new_updated, strict=True):
+            new_params[i] = x
+    else:
+        new_params = list(new_updated)
     if not donate and _has_none(g):
         # A parameter with no gradient at any place keeps its array object, not
         # only its value: Grads keyed on it stay valid, and update_ rebinds nothing.
@@ -398,9 +404,11 @@ def update(
     if config.tied:
         by_id = {id(old): new for old, new in zip(params, new_params, strict=True)}
         return new_state, tree_map_shared(lambda leaf: by_id.get(id(leaf), leaf), model)
-    new_leaves = [
-        leaf if s < 0 else new_params[s] for s, leaf in zip(config.slots, m_leaves, strict=True)
-    ]
+    if config.plain:  # every leaf its own parameter, in order
+        new_leaves = new_params
+    else:
+        pairs = zip(config.slots, m_leaves, strict=True)
+        new_leaves = [leaf if s < 0 else new_params[s] for s, leaf in pairs]
     return new_state, config.shape(m_leaves).unflatten(new_leaves)
 
 

@@ -110,6 +110,7 @@ class _Config:
         "pick_kept",
         "pick_trainable",
         "pick_updated",
+        "plain",
         "slots",
         "tied",
         "tpos",
@@ -139,6 +140,8 @@ class _Config:
         self.frozen = frozen
         self.tied = tied
         self.n = len(owner)
+        # Every leaf is a parameter of its own, in leaf order (no ties, no static leaves).
+        self.plain = slots == tuple(range(len(slots)))
         self.tpos = tuple(p for p, s in enumerate(slots) if s >= 0)
         self.tslot = tuple(slots[p] for p in self.tpos)
         first = [-1] * self.n
@@ -256,6 +259,13 @@ class _Config:
             # Dict keys are free text: {"a.b": x} beside {"a": {"b": y}} print alike.
             self._names = distinct(names)
         return self._names
+
+    def present_all(self, tracing: bool) -> Any:
+        """`present((), tracing)`: every gradient given, as on most steps."""
+        masks = self._masks.get(())
+        if masks is not None and not tracing and masks[1] is not None:
+            return masks[1]
+        return self.present((), tracing)
 
     def present(self, missing: tuple[int, ...], tracing: bool) -> Any:
         """A bool per trainable position, False where the gradient is `None` (cached).

@@ -71,6 +71,8 @@ class _Aux:
         # static leaves in place, without a Python callback per Module.
         if self._shape is None:
             self._shape = Shape(self.treedef, spec=[TAKE if s is DYN else s for s in self.statics])
+        if self.slots is None and self.shared is None:  # the usual case
+            return self._shape.unflatten(arrays)
         tree = self._shape.unflatten(expand(arrays, self.slots))
         for repeat, first in self.shared or ():
             tree = put_at(tree, repeat, get_at(tree, first))
