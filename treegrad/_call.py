@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import operator
 import types
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -150,13 +149,3 @@ def links(cl_uniq: list[Any], a_uniq: list[Any]) -> tuple[int, ...] | None:
         return None
     where = {id(x): k for k, x in enumerate(cl_uniq)}
     return tuple(where.get(id(a), -1) for a in a_uniq)
-
-
-def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
-    """`lambda xs: [xs[i] for i in positions]`, in C."""
-    if not positions:
-        return lambda xs: ()
-    if len(positions) == 1:
-        (i,) = positions
-        return lambda xs: (xs[i],)
-    return operator.itemgetter(*positions)

@@ -41,7 +41,7 @@ import jax
 
 from . import _guard as G
 from . import _jaxpr
-from ._call import _GROUPS, DTYPE, Call, links, picker, root_keys, uniq_in_groups
+from ._call import _GROUPS, DTYPE, Call, links, root_keys, uniq_in_groups
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
 from ._layout import placements, several_devices
@@ -49,7 +49,7 @@ from ._outputs import DYN, Packed, Written, _Aux, expand, shared_nodes, split_un
 from ._paths import _LAST, _SETTERS, get_at, put_at
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._swap import Swap, holders
-from ._tree import describe_leaf, is_inexact, user_stacklevel
+from ._tree import describe_leaf, is_inexact, picker, user_stacklevel
 from ._walk import _SLOT_NAMES, Walk, describe, node_types, static_callables
 
 
