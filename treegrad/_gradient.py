@@ -42,17 +42,21 @@ _STYLE_OK: set[Any] = set()
 E.MEMOS.append(_STYLE_OK)
 
 
-def _check_style(f: Any, api: str, args: tuple[Any, ...], ps: Params | None) -> None:
-    """Clear errors for the two styles mixed up: the usual first mistakes.
+def _styled(f: Any, api: str, args: tuple[Any, ...]) -> Params | None:
+    """Check `f` and its arguments; returns the `Params` of an implicit-style call, else None.
 
-    Checked once per code object and number of arguments (it runs on every call).
+    Clear errors for the two styles mixed up, the usual first mistakes: checked
+    once per code object and number of arguments (this runs on every call).
     """
+    if not callable(f):
+        _check_callable(f, api)
+    ps = args[0] if len(args) == 1 and isinstance(args[0], Params) else None
     key = (getattr(f, "__code__", None), len(args), ps is None)
-    if key in _STYLE_OK:
-        return
-    _check_style_once(f, api, args, ps)
-    if key[0] is not None:
-        _STYLE_OK.add(key)
+    if key not in _STYLE_OK:
+        _check_style_once(f, api, args, ps)
+        if key[0] is not None:
+            _STYLE_OK.add(key)
+    return ps
 
 
 def _check_style_once(f: Any, api: str, args: tuple[Any, ...], ps: Params | None) -> None:
@@ -114,9 +118,13 @@ def _explicit(program: str, api: str, f: Any, args: tuple[Any, ...], options: An
     try:
         return E.execute(program, api, options, (f,), args)
     except ValueError as e:
-        if several_devices():  # jax's error names the program's inputs, not the arguments'
-            different_devices(api, _named_leaves(args), e)
+        _explain_devices(api, args, e)
         raise
+
+
+def _explain_devices(api: str, args: tuple[Any, ...], e: ValueError) -> None:
+    if several_devices():  # jax's error names the program's inputs, not the arguments'
+        different_devices(api, _named_leaves(args), e)
 
 
 def _named_leaves(args: tuple[Any, ...]) -> list[tuple[str, Any]]:
@@ -180,14 +188,12 @@ def _no_gradient(api: str, strict: bool, n: int) -> None:
     warnings.warn(msg, NoGradientWarning, stacklevel=user_stacklevel())
 
 
-def _split_implicit(args: tuple[Any, ...]) -> Params | None:
-    if len(args) == 1 and isinstance(args[0], Params):
-        return args[0]
-    return None
-
-
 def _explicit_grad(api: str, f: Any, args: tuple[Any, ...], has_aux: bool) -> tuple[Any, Any]:
-    _, (_, packed, grads) = _explicit(P.GRAD, api, f, args, (has_aux,))
+    try:
+        _, (_, packed, grads) = E.execute(P.GRAD, api, (has_aux,), (f,), args)
+    except ValueError as e:
+        _explain_devices(api, args, e)
+        raise
     return (packed.value() if has_aux else None), grads
 
 
@@ -228,9 +234,7 @@ def gradient(
         >>> tg.gradient(lambda a, b: jnp.sum(a), x, b)
         (Array([1., 1., 1., 1., 1.], dtype=float32), None)
     """
-    _check_callable(f, "tg.gradient")
-    ps = _split_implicit(args)
-    _check_style(f, "tg.gradient", args, ps)
+    ps = _styled(f, "tg.gradient", args)
     if ps is not None:
         return _implicit_grad("tg.gradient", f, ps, False, strict)[1]
     return _explicit_grad("tg.gradient", f, args, False)[1]
@@ -260,9 +264,7 @@ def withgradient(
         >>> loss, g
         (Array(5., dtype=float32), Array([2., 4.], dtype=float32))
     """
-    _check_callable(f, "tg.withgradient")
-    ps = _split_implicit(args)
-    _check_style(f, "tg.withgradient", args, ps)
+    ps = _styled(f, "tg.withgradient", args)
     if ps is not None:
         return _implicit_grad("tg.withgradient", f, ps, True, strict)
     return _explicit_grad("tg.withgradient", f, args, True)
@@ -382,9 +384,7 @@ def pullback(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, Pullback]:
         >>> back(jnp.array([1.0, 10.0]))
         (Array([ 3., 30.], dtype=float32),)
     """
-    _check_callable(f, "tg.pullback")
-    ps = _split_implicit(args)
-    _check_style(f, "tg.pullback", args, ps)
+    ps = _styled(f, "tg.pullback", args)
     if ps is not None:
         call = _Implicit(P.PULLBACK, "tg.pullback", f, ps, ())
         _, packed, back = call.out
@@ -421,9 +421,7 @@ def jacobian(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, ...] | Grads
         Array([[2., 0.],
                [0., 4.]], dtype=float32)
     """
-    _check_callable(f, "tg.jacobian")
-    ps = _split_implicit(args)
-    _check_style(f, "tg.jacobian", args, ps)
+    ps = _styled(f, "tg.jacobian", args)
     if ps is not None:
         call = _Implicit(P.JACOBIAN, "tg.jacobian", f, ps, ())
         return Grads(call.arrays, call.place(call.out[2]), call.paths)
@@ -450,10 +448,9 @@ def hessian(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, ...]:
         Array([[ 6.,  0.],
                [ 0., 12.]], dtype=float32)
     """
-    _check_callable(f, "tg.hessian")
-    if _split_implicit(args) is not None:
+    if len(args) == 1 and isinstance(args[0], Params):
         raise TypeError("tg.hessian takes explicit arguments; pass the arrays, not a tg.Params.")
-    _check_style(f, "tg.hessian", args, None)
+    _styled(f, "tg.hessian", args)
     entry, (_, _, blocks) = _explicit(P.HESSIAN, "tg.hessian", f, args, (False,))
     out = []
     offset = 0
