@@ -279,6 +279,8 @@ class Entry:
         finally:
             self.stack.pop()
         closed = traced.jaxpr
+        if _jaxpr.n_inputs(closed) != len(dyn) + len(self._extra()):
+            self._leaked()
         hidden = [
             c
             for c in _jaxpr.constants(closed)
@@ -302,6 +304,21 @@ class Entry:
                 self.active = live
                 self._build()  # unused inputs: not differentiated; traced again
         return self.run(roots, dyn)
+
+    def _leaked(self) -> None:
+        # jax made an input of a traced value the function read from outside its
+        # inputs: a tracer of this very program (which the program would then
+        # treat as a constant, dropping its derivative), or of an enclosing
+        # transformation held where the walk cannot see (it would be baked in).
+        raise TypeError(
+            f"{self.api}: the function reads a traced value through a place treegrad cannot "
+            "follow, so its derivative would be silently lost. Either a jax.custom_jvp or "
+            "jax.custom_vjp rule reads an array being differentiated from its closure (JAX "
+            "differentiates a custom rule only with respect to its arguments: pass the "
+            "array as an argument of the custom function), or a value of an enclosing jax "
+            "transformation is held in an object treegrad cannot see into (pass it as an "
+            "argument, or hold it in a list, dict, plain object or tg.Module)."
+        )
 
     n_deps = 0
 

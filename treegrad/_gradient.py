@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _engine as E
+from . import _jaxpr
 from . import _programs as P
 from ._grads import Grads
 from ._layout import different_devices, several_devices
@@ -170,19 +171,32 @@ def _implicit_grad(api: str, f: Any, ps: Params, has_aux: bool, strict: bool) ->
     _, packed, grads = call.out
     values = call.place(grads)
     if values and all(g is None for g in values):
-        _no_gradient(api, strict, len(values))
+        # Only now (a rare path): whether the function read traced arrays.
+        read = call.entry.guard.check(f) or ()
+        _no_gradient(api, strict, len(values), traced=any(map(_jaxpr.is_tracer, read)))
     value = packed.value() if has_aux else None
     return value, Grads(call.arrays, values, call.paths)
 
 
-def _no_gradient(api: str, strict: bool, n: int) -> None:
-    msg = (
-        f"{api}: the loss does not depend on any of the {n} registered parameters, so every "
-        "gradient is None. The computation was probably done outside the function passed to "
-        "gradient (e.g. `q = model(x)` computed before the call): only what runs inside the "
-        "function is differentiated. Move the model call inside, or use explicit mode: "
-        "tg.gradient(lambda m: loss(m(x), y), model)."
-    )
+def _no_gradient(api: str, strict: bool, n: int, traced: bool = False) -> None:
+    msg = f"{api}: the loss does not depend on any of the {n} registered parameters, so every "
+    if traced:
+        # Inside jax.jit (or vmap, grad...), a model passed in is a new set of traced
+        # arrays: the Params built outside hold the old ones, which the loss never reads.
+        msg += (
+            "gradient is None. The function runs inside a jax transformation (jax.jit, "
+            "jax.vmap, ...) and reads traced copies of the model, while the Params hold the "
+            "arrays from outside it. Build the Params inside the transformed function "
+            "(ps = tg.params(m)), or compile with tg.jit, which maps captured parameters to "
+            "their traced copies."
+        )
+    else:
+        msg += (
+            "gradient is None. The computation was probably done outside the function passed "
+            "to gradient (e.g. `q = model(x)` computed before the call): only what runs inside "
+            "the function is differentiated. Move the model call inside, or use explicit "
+            "mode: tg.gradient(lambda m: loss(m(x), y), model)."
+        )
     if strict:
         raise NoGradientError(msg)
     warnings.warn(msg, NoGradientWarning, stacklevel=user_stacklevel())

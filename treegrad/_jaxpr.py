@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jex
 
 _JAXPR_TYPES = tuple({jex.ClosedJaxpr, jex.Jaxpr})
@@ -33,6 +34,12 @@ def is_tracer(x: Any) -> bool:
 def _inner(closed: Any) -> Any:
     """The open jaxpr of a closed one (the same object from jax 0.11 on)."""
     return getattr(closed, "jaxpr", closed)
+
+
+def n_inputs(closed: Any) -> int:
+    """How many inputs a traced jaxpr takes: more than the function was given when jax
+    made inputs of traced values the function read from elsewhere."""
+    return len(_inner(closed).invars)
 
 
 def _consts(closed: Any) -> list[Any]:
@@ -105,17 +112,94 @@ def _live_inputs(jaxpr: Any, outvars: Sequence[Any]) -> set[Any]:
 
 
 def reached(closed: Any, source: int) -> set[int]:
-    """Indices of the outputs that depend on input `source` (a forward pass).
+    """Indices of the outputs that depend on input `source` (a forward pass), or that
+    may be non-zero without it.
 
     The engine feeds the cotangent of a gradient as an input: a gradient that
-    does not depend on it is a structural zero. Calls to inner jitted
-    functions are followed precisely; other higher-order primitives count every
-    output as reached when any input is, which can only turn a `None` into a
-    zero gradient, never the reverse.
+    does not depend on it and is zero by construction (jax's zeros for an
+    unused input: a literal 0 broadcast, cast or conjugated) is a structural
+    zero. One that does not depend on it but may be non-zero is a real
+    gradient: a custom rule (`jax.custom_vjp`) may return a constant, or a
+    value of the residuals alone, as a straight-through estimator does.
+    Calls to inner jitted functions are followed precisely; other higher-order
+    primitives count every output as reached when any input is, which can only
+    turn a `None` into a zero gradient, never the reverse.
     """
     jaxpr = _inner(closed)
     tainted = _reach(jaxpr, {jaxpr.invars[source]})
-    return {i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and v in tainted}
+    zeros = _zeros(jaxpr, set())
+    return {
+        i
+        for i, v in enumerate(jaxpr.outvars)
+        if (_is_var(v) and v in tainted) or not _is_zero(v, zeros)
+    }
+
+
+# Primitives whose output is zero when their first operand is (shape, dtype and
+# layout changes, and the conjugate taken for complex gradients).
+_KEEP_ZERO = frozenset(
+    {
+        "broadcast_in_dim",
+        "convert_element_type",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "neg",
+        "conj",
+        "real",
+        "imag",
+        "copy",
+        "copy_p",
+        "reduce_sum",
+        "reduce_precision",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+        "pvary",
+        "pcast",
+    }
+)
+# Primitives whose output is zero when all their operands are.
+_ALL_ZERO = frozenset({"add", "add_any", "sub"})
+
+
+def _is_zero(v: Any, zeros: set[Any]) -> bool:
+    if isinstance(v, jex.Literal):
+        try:
+            return bool(np.all(np.asarray(v.val) == 0))
+        except (TypeError, ValueError):  # pragma: no cover - a literal of another kind
+            return False
+    return _is_var(v) and v in zeros
+
+
+def _zeros(jaxpr: Any, zeros: set[Any]) -> set[Any]:
+    """The variables of `jaxpr` that are zero by construction, given those in `zeros`."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _KEEP_ZERO:
+            if eqn.invars and _is_zero(eqn.invars[0], zeros):
+                zeros.update(eqn.outvars)
+        elif name in _ALL_ZERO:
+            if all(_is_zero(v, zeros) for v in eqn.invars):
+                zeros.update(eqn.outvars)
+        elif name == "select_n":
+            if all(_is_zero(v, zeros) for v in eqn.invars[1:]):
+                zeros.update(eqn.outvars)
+        elif name in ("pjit", "jit"):
+            sub = eqn.params.get("jaxpr")
+            if isinstance(sub, _JAXPR_TYPES):
+                inner = _inner(sub)
+                given = {
+                    iv for v, iv in zip(eqn.invars, inner.invars, strict=True) if _is_zero(v, zeros)
+                }
+                inner_zeros = _zeros(inner, given)
+                zeros.update(
+                    o
+                    for o, io in zip(eqn.outvars, inner.outvars, strict=True)
+                    if _is_zero(io, inner_zeros)
+                )
+    return zeros
 
 
 def _is_var(v: Any) -> bool:

@@ -181,4 +181,38 @@ step = jax.jit(_step_impl, static_argnums=(0, 1))
 # The parameters that may change and the optax state: each array appears once
 # (tied weights are one parameter; split parts hold copies), so no buffer is
 # donated twice.
-step_donating = jax.jit(_step_impl, static_argnums=(0, 1), donate_argnums=(2, 3))
+_step_donating = jax.jit(_step_impl, static_argnums=(0, 1), donate_argnums=(2, 3))
+
+
+def step_donating(
+    config: _Config,
+    placed: tuple[Any, ...] | None,
+    states: tuple[Any, ...],
+    updated: tuple[Any, ...],
+    kept: tuple[Any, ...],
+    grads: tuple[Any, ...],
+    present: Any,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """`step`, donating the optax state and the parameters that may change.
+
+    XLA refuses a donated buffer that the same call also reads elsewhere. A
+    gradient tree may hold the donated arrays themselves (the model as its own
+    gradient, weight decay written by hand: `tg.update(state, m, m,
+    donate=True)`), or a state array may be a parameter itself: such an input
+    is passed as a copy, so the step runs as it does without donation.
+    """
+    donated: set[int] = set()
+
+    def once(xs: tuple[Any, ...], donate: bool) -> tuple[Any, ...]:
+        out = []
+        for x in xs:
+            if id(x) in donated and isinstance(x, jax.Array):
+                x = jnp.copy(x)
+            if donate:
+                donated.add(id(x))
+            out.append(x)
+        return tuple(out)
+
+    states, updated = once(states, True), once(updated, True)
+    kept, grads = once(kept, False), once(grads, False)
+    return _step_donating(config, placed, states, updated, kept, grads, present)

@@ -200,7 +200,7 @@ def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
         # The cotangent is an input (always 1), so that the jaxpr shows which
         # gradients depend on it; the loss itself is an output only when asked
         # for, so XLA drops the forward work the gradient does not need.
-        grads = [conj(g) for g in vjp(ct.astype(loss.dtype))]
+        grads = [conj(g) for g in vjp(_seed(ct, loss))]
         if entry.placement is not None:
             # Each gradient on its parameter's sharding: left to itself XLA
             # often makes a fully sharded (FSDP) parameter's gradient
@@ -210,6 +210,16 @@ def _grad_program(entry: Entry, fns: list[Any], dyn: list[Any], ct: Any) -> Any:
         loss, (out, written) = loss_of()
         grads = []
     return _flat_grads(entry, active, grads), pack(out), Written.of(written)
+
+
+def _seed(ct: Any, loss: Any) -> Any:
+    """The cotangent input (1) as the loss's cotangent: of its dtype and, inside
+    `jax.shard_map`, varying over the mesh axes the loss varies over (as the 1
+    that `jax.grad` seeds with, `full_like` of the loss); jax.vjp takes no other."""
+    one = ct.astype(loss.dtype)
+    if jax.typeof(one) != jax.typeof(loss):
+        one = jax.lax.full_like(loss, one)
+    return one
 
 
 def _first(out: tuple[Any, ...], api: str) -> Any:
@@ -254,6 +264,10 @@ def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
     entry.n_deps = len(arrays)
     placed = entry.placement
     fn = _back if placed is None else _placed_back(tuple(placed[i] for i in active))
+    if entry.implicit and tuple(active) != tuple(entry.wrt):
+        # Implicit mode gives one gradient per captured parameter (`wrt`), as the
+        # other programs do: None for one the output does not depend on.
+        fn = _spread(fn, tuple(entry.wrt.index(i) for i in active), len(entry.wrt))
     back = jax.tree_util.Partial(fn, vjp)
     return arrays, Packed(arrays, holder[0]), back, Written.of(written)
 
@@ -263,6 +277,20 @@ def _back(vjp: Any, dy: Any) -> list[Any]:
     # so are the results: conjugated on the way in and out, so that back(dy) of a
     # complex output chains like tg.gradient of the composition.
     return [conj(g) for g in vjp(jax.tree_util.tree_map(conj, dy))]
+
+
+@functools.lru_cache(maxsize=64)
+def _spread(
+    fn: Callable[[Any, Any], list[Any]], where: tuple[int, ...], n: int
+) -> Callable[[Any, Any], list[Any]]:
+    # The gradients of the differentiated inputs at their places among `n`.
+    def back(vjp: Any, dy: Any) -> list[Any]:
+        out: list[Any] = [None] * n
+        for k, g in zip(where, fn(vjp, dy), strict=True):
+            out[k] = g
+        return out
+
+    return back
 
 
 @functools.lru_cache(maxsize=64)
@@ -391,7 +419,12 @@ def cotangent() -> Any:
     # first use may be inside a trace, where jnp.ones would give a tracer.
     if not _ONE:
         with jax.ensure_compile_time_eval():
-            _ONE.append(jnp.ones((), jnp.float32))
+            one = jnp.ones((), jnp.float32)
+        if isinstance(one, jax.core.Tracer):
+            # Inside a trace that runs eagerly (an eager `jax.shard_map`): this
+            # one belongs to that trace, so it is used for this call only.
+            return one
+        _ONE.append(one)
     return _ONE[0]
 
 
