@@ -6,18 +6,24 @@ eagerly, so it is always fresh). The random test builds a few hundred such
 closures from every route at once.
 """
 
+import contextvars
 import functools
+import operator
 import random
 import sys
+import threading
 import types
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import treegrad as tg
+from treegrad import nn
 
 w = jnp.array([0.5, -1.0, 2.0])
 
@@ -421,3 +427,266 @@ def test_a_dict_the_function_writes_into_is_still_read_fresh():
     before = cfg["calls"]
     tg.gradient(f, w)
     assert cfg["calls"] == before
+
+
+# --- holders read through, identity, key order, attributes never read ---------------
+
+
+def traced(f):
+    """f, and the list it appends to each time it is traced."""
+    traces = []
+
+    def counted(v):
+        traces.append(1)
+        return f(v)
+
+    return counted, traces
+
+
+def test_context_var_holding_an_array_is_an_input_and_written_back():
+    scale = contextvars.ContextVar("tg_fresh_scale", default=jnp.array(2.0))  # noqa: B039
+    loss, traces = traced(lambda v: jnp.sum(v) * scale.get())
+    grad = lambda: tg.gradient(loss, w)[0]
+    np.testing.assert_allclose(grad(), [2.0, 2.0, 2.0])
+    scale.set(jnp.array(3.0))  # a new array: an input, not a new trace
+    np.testing.assert_allclose(grad(), [3.0, 3.0, 3.0])
+    assert len(traces) == 1
+    # Read in the calling context: another one has its own value.
+    other = contextvars.copy_context()
+    other.run(scale.set, jnp.array(-1.0))
+    np.testing.assert_allclose(other.run(grad), [-1.0, -1.0, -1.0])
+    np.testing.assert_allclose(grad(), [3.0, 3.0, 3.0])
+
+    @tg.jit
+    def step():  # sets it inside a compiled step
+        scale.set(scale.get() * 2)
+
+    step()
+    step()
+    np.testing.assert_allclose(scale.get(), 12.0)  # as uncompiled: written back
+
+
+def test_thread_local_value_is_the_calling_threads():
+    local = threading.local()
+    local.k = 2.0
+    f = lambda v: jnp.sum(v) * local.k
+    np.testing.assert_allclose(check(f), [2.0, 2.0, 2.0])
+    got = []
+
+    def other():
+        local.k = 5.0  # this thread's own value
+        got.append(check(f))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    np.testing.assert_allclose(got[0], [5.0, 5.0, 5.0])
+    np.testing.assert_allclose(check(f), [2.0, 2.0, 2.0])
+
+
+class _Scale:
+    def __init__(self, k):
+        self.k = k
+
+
+def test_weak_reference_and_proxy_whose_object_dies():
+    obj = _Scale(2.0)
+    ref, proxy = weakref.ref(obj), weakref.proxy(obj)
+    f = lambda v: jnp.sum(v) * (ref().k if ref() is not None else -1.0)
+    check(f)
+    obj.k = 3.0
+    np.testing.assert_allclose(check(f), [3.0, 3.0, 3.0])
+    g = lambda v: jnp.sum(v) * proxy.k
+    np.testing.assert_allclose(check(g), [3.0, 3.0, 3.0])
+    del obj
+    np.testing.assert_allclose(check(f), [-1.0, -1.0, -1.0])
+    with pytest.raises(ReferenceError):  # as uncompiled
+        tg.gradient(g, w)
+
+
+SCALE = 2.0
+
+
+def test_the_calling_module_read_through_sys_modules(monkeypatch):
+    f = lambda v: jnp.sum(v) * sys.modules[__name__].SCALE
+    check(f)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 5.0)
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+    # A module that appears later, looked up with a default.
+    name = "tg_fresh_appears_later"
+    g = lambda v: jnp.sum(v) * getattr(sys.modules.get(name), "s", 1.0)
+    np.testing.assert_allclose(check(g), [1.0, 1.0, 1.0])
+    later = types.ModuleType(name)
+    later.s = 7.0
+    monkeypatch.setitem(sys.modules, name, later)
+    np.testing.assert_allclose(check(g), [7.0, 7.0, 7.0])
+
+
+def test_functions_and_models_as_identity_keys():
+    def make():
+        return lambda x: x
+
+    first, second = make(), make()  # the same code and captures: equal-looking
+    weights = {first: 2.0, second: 5.0}
+    cur = [first]
+    f = lambda v: jnp.sum(cur[0](v)) * weights[cur[0]]
+    check(f)
+    cur[0] = second
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+
+    key = jax.random.key(0)
+    a, b = nn.Dense(3, 1, key=key), nn.Dense(3, 1, key=key)
+    rates = {a: 2.0, b: 5.0}
+    layer = [a]
+    g = lambda v: jnp.sum(layer[0](v[None])) * rates[layer[0]]
+    check(g)
+    layer[0] = b
+    check(g)
+
+
+def test_dict_models_updated_by_tg_update_do_not_retrace():
+    # tg.update returns dicts with sorted keys: their order is not checked for a dict
+    # that holds arrays, nor for the dicts inside it.
+    model = {"w": jnp.ones(3), "b": jnp.zeros(()), "cfg": {"z": 1.0, "a": 2.0}}
+    state = tg.setup(optax.sgd(0.1), model)
+    traces = []
+
+    def loss(v):
+        traces.append(1)
+        return jnp.sum(v * model["w"]) + model["b"] * model["cfg"]["z"]
+
+    for _ in range(3):
+        (g,) = tg.gradient(lambda v: loss(v), w)
+        np.testing.assert_allclose(g, model["w"])
+        (gm,) = tg.gradient(lambda m: jnp.sum(m["w"]) + m["b"], model)
+        state, model = tg.update(state, model, gm)
+    assert list(model) == ["b", "cfg", "w"] and list(model["cfg"]) == ["a", "z"]
+    assert len(traces) == 1
+
+
+def test_config_dict_the_function_reorders_does_not_retrace():
+    cfg = {"a": 2.0, "b": 3.0}
+    traces = []
+
+    def f(v):
+        traces.append(1)
+        cfg["a"] = cfg.pop("a")  # its own side effect: the order is its output
+        return jnp.sum(v) * cfg["b"]
+
+    for _ in range(3):
+        np.testing.assert_allclose(tg.gradient(f, w)[0], [3.0, 3.0, 3.0])
+    assert len(traces) == 1
+    cfg["b"] = 5.0
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+
+
+def test_config_reordered_behind_a_mapping_proxy_is_seen():
+    d = {"a": 1.0, "b": 2.0}
+    view = types.MappingProxyType(d)
+    f = lambda v: jnp.sum(v) * next(iter(view.values()))
+    check(f)
+    d["a"] = d.pop("a")  # now b comes first
+    np.testing.assert_allclose(check(f), [2.0, 2.0, 2.0])
+
+
+class _Cfg:
+    def __init__(self):
+        self.scale = 2.0
+        self.inner = _Scale(3.0)
+        self.calls = 0  # bookkeeping no code reads
+
+
+def test_attribute_never_read_changes_without_a_retrace():
+    cfg = _Cfg()
+    loss, traces = traced(lambda v: jnp.sum(v) * cfg.scale)
+    for i in range(3):
+        cfg.calls = i
+        np.testing.assert_allclose(tg.gradient(loss, w)[0], [2.0, 2.0, 2.0])
+    assert len(traces) == 1
+    cfg.scale = 5.0  # the one read stays fresh
+    np.testing.assert_allclose(tg.gradient(loss, w)[0], [5.0, 5.0, 5.0])
+    cfg.extra = 1.0  # a new attribute: traced again (it may shadow a class's)
+    tg.gradient(loss, w)
+    assert len(traces) == 3
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda c, name: getattr(c, name),  # a name computed at run time
+        lambda c, name: vars(c)[name],
+        lambda c, name: _as_dict(c)[name],
+        lambda c, name: getattr(c, "calls"),  # noqa: B009 -- the route under test
+        lambda c, name: operator.attrgetter("calls")(c),
+        lambda c, name: float("{.calls}".format(c)),  # noqa: UP032 -- the route under test
+    ],
+    ids=["getattr", "vars", "__dict__", "getattr-constant", "attrgetter", "format"],
+)
+def test_attribute_read_by_name_stays_fresh(read):
+    cfg = _Cfg()
+    name = "calls"
+    f = lambda v: jnp.sum(v) * (1.0 + read(cfg, name))
+    check(f)
+    cfg.calls = 4
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+
+
+def _as_dict(c):
+    return dict(c.__dict__)
+
+
+def test_attribute_read_by_a_library_base_class_stays_fresh():
+    class Opts(types.SimpleNamespace):  # SimpleNamespace.__eq__ reads every attribute
+        pass
+
+    opts, ref = Opts(a=1.0, b=2.0), Opts(a=1.0, b=2.0)
+    f = lambda v: jnp.sum(v) * (2.0 if opts == ref else 5.0)
+    check(f)
+    opts.b = 3.0
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+
+
+def test_attribute_read_only_by_library_code_stays_fresh():
+    ns = {"__name__": "json.tg_fresh_library"}  # a library the walk does not read into
+    exec("def describe(o):\n    return len(o.label)\n", ns)
+    describe = ns["describe"]
+
+    class Cfg:
+        def __init__(self):
+            self.label = "ab"  # set by a constructor, read by that library only
+
+    cfg = Cfg()
+    f = lambda v: jnp.sum(v) * describe(cfg)
+    check(f)
+    cfg.label = "abcde"
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+
+
+def test_object_reached_first_through_an_attribute_is_still_checked_by_identity():
+    box = _Box()
+    shared = [2.0]
+    box.items = shared
+
+    f, traces = traced(lambda v: jnp.sum(v) * box.items[0] + jnp.sum(v**2) * shared[0])
+    tg.gradient(f, w)
+    check(f)
+    assert len(traces) == 2  # one trace (and check's uncompiled run): cached
+    box.items = [5.0]  # no longer the list the other route reads
+    check(f)
+    shared[0] = -1.0
+    check(f)
+
+
+def test_a_constructor_run_on_a_captured_object_leaves_no_tracer():
+    class Rec:
+        def __init__(self, v=0.0):
+            self.seen = v  # stored by a constructor only: not checked
+
+    rec = Rec()
+
+    def f(v):
+        Rec.__init__(rec, v)
+        return jnp.sum(v) * 2.0
+
+    np.testing.assert_allclose(tg.gradient(f, w)[0], [2.0, 2.0, 2.0])
+    assert not isinstance(rec.seen, jax.core.Tracer)

@@ -28,7 +28,11 @@ numbers and strings only.
 
 from __future__ import annotations
 
-import dis
+import array
+import collections
+import collections.abc
+import contextvars
+import copy
 import sys
 import types
 import weakref
@@ -75,6 +79,7 @@ _CONST_TYPES = frozenset(
 )
 _ARRAY_TYPES: set[type] = set()
 _NOT_ARRAY_TYPES: set[type] = set()
+PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
 def is_array(x: Any) -> bool:
@@ -83,6 +88,8 @@ def is_array(x: Any) -> bool:
     if t in _ARRAY_TYPES:
         return True
     if t in _NOT_ARRAY_TYPES:
+        return False
+    if t in PROXY_TYPES:  # isinstance sees the referent's class through a weak proxy
         return False
     try:
         if isinstance(x, np.ndarray):
@@ -141,37 +148,6 @@ def _is_library(obj: Any) -> bool:
 _LIBRARY_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
-class _CodeInfo:
-    """The global names and attribute names a code object (and its nested code) reads."""
-
-    __slots__ = ("attrs", "globals")
-
-    def __init__(self, code: types.CodeType):
-        names: dict[str, None] = {}
-        attrs: set[str] = set()
-        stack = [code]
-        while stack:
-            c = stack.pop()
-            for ins in dis.get_instructions(c):
-                if ins.opname in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
-                    names[ins.argval] = None
-                elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "LOAD_SUPER_ATTR"):
-                    attrs.add(ins.argval)
-            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        self.globals = tuple(names)
-        self.attrs = frozenset(attrs)
-
-
-_CODE_INFO: dict[types.CodeType, _CodeInfo] = {}
-
-
-def code_info(code: types.CodeType) -> _CodeInfo:
-    info = _CODE_INFO.get(code)
-    if info is None:
-        info = _CODE_INFO[code] = _CodeInfo(code)
-    return info
-
-
 _JITTED_TYPE = type(jax.jit(lambda: None))
 # Wrappers whose `__wrapped__` function is inlined while tracing (`tg.jit` adds its own).
 JITTED_TYPES: set[type] = {_JITTED_TYPE}
@@ -197,7 +173,9 @@ def _is_pytree_node(x: Any) -> bool:
 
 def clear() -> None:
     """Forget every memo (`tg.clear_cache`)."""
-    _CODE_INFO.clear()
+    from . import _codeinfo  # imports this module
+
+    _codeinfo.clear()
     _PYTREE_NODE.clear()
     _LIBRARY_MODULES.clear()
     _LIBRARY_CLASSES.clear()
@@ -218,9 +196,16 @@ def _code_of(value: Any) -> Any:
 
 
 class Node:
-    """What was found at one place; subclasses say how to check and rebind it."""
+    """What was found at one place; subclasses say how to check and rebind it.
 
-    __slots__ = ()
+    `ident` (set by the walk on a container, object or function used as a dict
+    key or set element elsewhere in what the function reads, where its class
+    hashes by identity): the object itself, checked by identity as well as by its
+    contents; unset otherwise (read with `getattr(node, "ident", None)`).
+    """
+
+    __slots__ = ("ident",)
+    ident: Same
 
 
 class Array(Node):
@@ -261,7 +246,8 @@ class Same(Node):
 class Snap(Node):
     """A mutable value the walk cannot see into but can compare (a set, a deque, a
     bytearray, a numpy array of strings, a Mapping that is not a dict: `os.environ`,
-    a `ChainMap`): a copy, checked by equality; `as_dict`: compared as `dict(v)`."""
+    a `ChainMap`): a copy, checked by equality; `as_dict`: compared as `dict(v)`,
+    its keys in order (a function may iterate it, as a dict)."""
 
     __slots__ = ("as_dict", "type", "value")
 
@@ -275,7 +261,10 @@ class Snap(Node):
             return False
         if isinstance(v, np.ndarray):
             return v.shape == self.value.shape and bool(np.array_equal(v, self.value))
-        return bool((dict(v) if self.as_dict else v) == self.value)
+        if self.as_dict:
+            d = dict(v)
+            return bool(d == self.value) and list(d) == list(self.value)
+        return bool(v == self.value)
 
 
 class Unchecked(Node):
@@ -302,11 +291,15 @@ class Seq(Node):
 
 
 class Map(Node):
-    __slots__ = ("items", "type")
+    """A dict: its entries by key. `ordered`: False once the function itself changed
+    the order of its keys (an output of the function, as a value it changes is)."""
+
+    __slots__ = ("items", "ordered", "type")
 
     def __init__(self, typ: type, items: list[tuple[Any, Node]]):
         self.type: Any = typ
         self.items = items
+        self.ordered = True
 
 
 class Func(Node):
@@ -358,16 +351,100 @@ class Jitted(Node):
 
 
 class Obj(Node):
-    """A user object that is not a pytree: its instance attributes and slots
-    (`has_dict`: it has an instance dict, whose size is checked even when empty)."""
+    """A user object that is not a pytree: the instance attributes and slots the
+    walked code may read (`skipped`: the other attribute names of its instance
+    dict, unchecked; `has_dict`: it has an instance dict, whose size is checked,
+    even when empty, so that an attribute added later is seen)."""
 
-    __slots__ = ("attrs", "has_dict", "slots", "type")
+    __slots__ = ("attrs", "has_dict", "skipped", "slots", "type")
 
     def __init__(self, typ: Same, attrs: list[tuple[str, Node]], slots: list[tuple[str, Node]]):
         self.type: Any = typ
         self.attrs = attrs
         self.slots = slots
         self.has_dict = True
+        self.skipped: list[str] = []
+
+
+class Deref(Node):
+    """A holder of one value, read through it on each call: a weak reference
+    (`kind` "ref": `v()`), a weak proxy ("proxy": the object it stands for), a
+    `ContextVar` ("ctx": its value in the calling context, MISSING when unset)."""
+
+    __slots__ = ("inner", "kind", "type")
+
+    def __init__(self, kind: str, typ: type, inner: Node):
+        self.kind = kind
+        self.type: Any = typ
+        self.inner = inner
+
+
+def referent(proxy: Any) -> Any:
+    """The object a weak proxy stands for: its bound `__getattribute__`'s `__self__`
+    (the proxy forwards every attribute read). Raises ReferenceError when it is dead."""
+    return proxy.__getattribute__.__self__
+
+
+def deref(kind: str, v: Any) -> Any:
+    """The value a `Deref` holder gives (MISSING: a dead proxy, an unset ContextVar)."""
+    try:
+        if kind == "ref":
+            return v()
+        if kind == "proxy":
+            return referent(v)
+        return v.get()
+    except (ReferenceError, LookupError):
+        return MISSING
+
+
+def holder_kind(t: type) -> str | None:
+    """The `Deref` kind of a holder type, or None."""
+    if t in PROXY_TYPES:
+        return "proxy"
+    if issubclass(t, weakref.ref):
+        return "ref"
+    if t is contextvars.ContextVar:
+        return "ctx"
+    return None
+
+
+# Mutable containers the walk does not see into, compared by a copy of their contents
+# when every element is a number or string (otherwise: by identity, as before).
+_SNAP_TYPES = (set, frozenset, bytearray, collections.deque, array.array)
+
+
+def snapshot(value: Any) -> Snap | None:
+    """A `Snap` of `value` when it is one of the mutable values compared by a copy."""
+    t = type(value)
+    if isinstance(value, np.ndarray):  # of strings, bytes, dates, or objects
+        if value.dtype.kind == "O" and not all(type(x) in _CONST_TYPES for x in value.flat):
+            return None
+        return Snap(t, value.copy())
+    if isinstance(value, _SNAP_TYPES):
+        if all(type(x) in _CONST_TYPES for x in value):
+            return Snap(t, copy.copy(value))
+        return None
+    if isinstance(value, collections.abc.Mapping) and not _is_pytree_node(value):
+        # os.environ, a ChainMap, a MappingProxyType: compared as a dict of their items.
+        try:
+            items = dict(value)
+        except Exception:  # a user's Mapping whose iteration fails: left to identity
+            return None
+        if all(type(x) in _CONST_TYPES for x in items.values()):
+            return Snap(t, items, as_dict=True)
+    return None
+
+
+class Modules(Node):
+    """`sys.modules`: the user modules in it, by name, and its size (a module imported
+    since, under a name the function may look up, is seen). Library modules are not
+    checked: a walk of every module would be the cost of each call."""
+
+    __slots__ = ("items", "size")
+
+    def __init__(self, size: int, items: list[tuple[str, Node]]):
+        self.size = size
+        self.items = items
 
 
 class Tree(Node):
@@ -431,7 +508,7 @@ def children(node: Node) -> list[Node]:
     """A node's children, in the order the guard reads them."""
     if isinstance(node, Seq):
         return node.items
-    if isinstance(node, Map):
+    if isinstance(node, (Map, Modules)):
         return [c for _, c in node.items]
     if isinstance(node, Func):
         out = [c for c in node.cells if c is not None]
@@ -441,7 +518,7 @@ def children(node: Node) -> list[Node]:
         return [node.self_, node.func]
     if isinstance(node, Partial):
         return [node.func, node.args, node.keywords]
-    if isinstance(node, (Jitted, Descr)):
+    if isinstance(node, (Jitted, Descr, Deref)):
         return [node.inner]
     if isinstance(node, Obj):
         return [c for _, c in node.attrs] + [c for _, c in node.slots]

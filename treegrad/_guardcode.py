@@ -25,12 +25,14 @@ from ._guard import (
     Array,
     Attrs,
     Const,
+    Deref,
     Descr,
     Fixed,
     Func,
     Jitted,
     Map,
     Method,
+    Modules,
     Node,
     Obj,
     ParamsNode,
@@ -40,7 +42,10 @@ from ._guard import (
     Snap,
     Tree,
     Unchecked,
+    children,
+    deref,
     is_array,
+    referent,
 )
 from ._tree import is_float_like
 
@@ -62,9 +67,14 @@ class Guard(CodeGen):
                 "FunctionType": types.FunctionType,
                 "MethodType": types.MethodType,
                 "flatten": jax.tree_util.tree_flatten,
+                "referent": referent,
             }
         )
         self.names: dict[int, str] = {}
+        # An object reached by two routes is checked in full by one (its node) and by
+        # identity by the other (an Alias), whichever the guard reads first.
+        self.waiting: dict[int, list[str]] = {}
+        self.in_tree, self.ordered = _scan([*roots, *absolute])
         args = [f"r{i}" for i in range(len(roots))]
         for node, arg in zip(roots, args, strict=True):
             self._gen(node, arg, 1)
@@ -91,6 +101,12 @@ class Guard(CodeGen):
     def _gen(self, node: Node, v: str | None, d: int) -> None:
         if v is not None:
             self.names[id(node)] = v
+            for w in self.waiting.pop(id(node), ()):
+                self._fail_unless(d, f"{w} is {v}")
+            ident = getattr(node, "ident", None)
+            if ident is not None:
+                k = self._k(ident.ref)
+                self._fail_unless(d, f"{v} is {k}()" if ident.weak else f"{v} is {k}")
         if isinstance(node, Array):
             self._fail_unless(d, f"type({v}) in ARR or isarr({v})")
             self._emit(d, f"push({v})")
@@ -105,11 +121,13 @@ class Guard(CodeGen):
             self._fail_unless(d, f"{self._k(node.equal)}({v})")
         elif isinstance(node, Alias):
             target = self.names.get(id(node.target))
-            # None: the object reached first by another route was demoted to
-            # Unchecked (the function changes it: a log it appends to), so it is
-            # the function's output, not an input, by this route too.
             if target is not None:
                 self._fail_unless(d, f"{v} is {target}")
+            elif id(node.target) in self.in_tree:  # checked where the guard reads it
+                self.waiting.setdefault(id(node.target), []).append(str(v))
+            # Else the object reached by another route was demoted to Unchecked (the
+            # function changes it: a log it appends to), so it is the function's
+            # output, not an input, by this route too.
         elif isinstance(node, Seq):
             self._fail_unless(
                 d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
@@ -117,13 +135,19 @@ class Guard(CodeGen):
             for i, child in enumerate(node.items):
                 self._read(d, f"{v}[{i}]", child)
         elif isinstance(node, Map):
-            # The number of keys, not their order: `tg.update` returns a model's dicts
-            # with sorted keys (as jax rebuilds them), and checking the order would
-            # trace every dict model again after its first update. A function whose
-            # result depends on a dict's order alone is the gap this leaves.
-            self._fail_unless(
-                d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
-            )
+            if id(node) in self.ordered:
+                # The keys in order (a function may iterate the dict): ~35 ns more
+                # than their number, for a dict of a few keys.
+                keys = self._k([key for key, _ in node.items])
+                self._fail_unless(d, f"type({v}) is {self._k(node.type)} and [*{v}] == {keys}")
+            else:
+                # The number of keys, not their order: a dict holding arrays (a model,
+                # and the dicts inside it) is a pytree, whose order jax's flatten
+                # ignores and `tg.update` does not keep (it returns sorted keys):
+                # checked, it would trace every dict model again after its first update.
+                self._fail_unless(
+                    d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
+                )
             for key, child in node.items:
                 self._read(d, f"{v}.get({self._k(key)}, MISSING)", child)
         elif isinstance(node, Func):
@@ -153,7 +177,7 @@ class Guard(CodeGen):
             if node.has_dict:
                 dv = self._v()
                 self._emit(d, f"{dv} = {v}.__dict__")
-                self._fail_unless(d, f"len({dv}) == {len(node.attrs)}")
+                self._fail_unless(d, f"len({dv}) == {len(node.attrs) + len(node.skipped)}")
                 for name, child in node.attrs:
                     self._read(d, f"{dv}.get({name!r}, MISSING)", child)
             for name, child in node.slots:
@@ -178,6 +202,26 @@ class Guard(CodeGen):
                 self._fail_unless(d, f"{td} == {self._k(node.treedef)}")
                 for i, leaf in enumerate(node.leaves):
                     self._read(d, f"{leaves}[{i}]", leaf)
+        elif isinstance(node, Deref):
+            self._fail_unless(d, f"type({v}) is {self._k(node.type)}")
+            w = self._v()
+            if node.kind == "ref":
+                self._emit(d, f"{w} = {v}()")
+            else:
+                read, error = (
+                    (f"referent({v})", "ReferenceError")
+                    if node.kind == "proxy"
+                    else (f"{v}.get()", "LookupError")
+                )
+                self._emit(d, "try:")
+                self._emit(d + 1, f"{w} = {read}")
+                self._emit(d, f"except {error}:")
+                self._emit(d + 1, f"{w} = MISSING")
+            self._gen(node.inner, w, d)
+        elif isinstance(node, Modules):
+            self._fail_unless(d, f"type({v}) is dict and len({v}) == {node.size}")
+            for name, child in node.items:
+                self._read(d, f"{v}.get({name!r}, MISSING)", child)
         elif isinstance(node, ParamsNode):
             from ._params import Params
 
@@ -253,6 +297,36 @@ class Guard(CodeGen):
                 self._gen(child, w, d)
 
 
+def _scan(nodes: list[Node]) -> tuple[set[int], set[int]]:
+    """The ids of the nodes in the tree (not behind an Alias), and of the dicts whose
+    key order the guard checks: those no array is reached through (a config), and
+    that do not sit inside a list, tuple or dict holding arrays (a model's)."""
+    in_tree: set[int] = set()
+    ordered: set[int] = set()
+    places: dict[int, bool] = {}
+
+    def has_places(node: Node) -> bool:
+        got = places.get(id(node))
+        if got is None:
+            got = places[id(node)] = isinstance(node, Array) or any(
+                [has_places(c) for c in children(node)]
+            )
+        return got
+
+    stack: list[tuple[Node, bool]] = [(n, False) for n in nodes]
+    while stack:
+        node, in_model = stack.pop()
+        in_tree.add(id(node))
+        if isinstance(node, (Seq, Map)):
+            in_model = in_model or has_places(node)
+            if isinstance(node, Map) and node.ordered and not in_model:
+                ordered.add(id(node))
+        else:
+            in_model = False
+        stack.extend((c, in_model) for c in children(node))
+    return in_tree, ordered
+
+
 class WriteBack(CodeGen):
     """`write(*roots, values)` puts new arrays into the given places, in place.
 
@@ -271,7 +345,9 @@ class WriteBack(CodeGen):
         from ._paths import IN_PLACE
 
         self.places = places  # place -> index into the values passed
-        super().__init__({"IN_PLACE": IN_PLACE, "flatten": jax.tree_util.tree_flatten})
+        super().__init__(
+            {"IN_PLACE": IN_PLACE, "flatten": jax.tree_util.tree_flatten, "referent": referent}
+        )
         self.ok = True
         self.names: dict[int, str] = {}
         args = [f"r{i}" for i in range(len(roots))]
@@ -352,6 +428,12 @@ class WriteBack(CodeGen):
         elif isinstance(node, (Jitted, Descr)):
             attr = "__wrapped__" if isinstance(node, Jitted) else node.attr
             self._child(node.inner, f"{v}.{attr}", getattr(value, attr), _assign("pass"))
+        elif isinstance(node, Deref):
+            # Only a ContextVar holds an array place itself (set anew); a weakly held
+            # object is written into in place.
+            read = {"ref": f"{v}()", "proxy": f"referent({v})", "ctx": f"{v}.get()"}[node.kind]
+            assign = _assign(f"{v}.set(\0)" if node.kind == "ctx" else "pass")
+            self._child(node.inner, read, deref(node.kind, value), assign)
         elif isinstance(node, Obj):
             d = vars(value) if node.has_dict else {}
             for name, c in node.attrs:

@@ -23,12 +23,14 @@ from ._guard import (
     Array,
     Attrs,
     Const,
+    Deref,
     Descr,
     Fixed,
     Func,
     Jitted,
     Map,
     Method,
+    Modules,
     Node,
     Obj,
     ParamsNode,
@@ -39,6 +41,7 @@ from ._guard import (
     Tree,
     Unchecked,
     children,
+    deref,
     has_places,
     is_array,
 )
@@ -126,7 +129,24 @@ class Swap:
         if isinstance(node, Descr):
             self.put(node.inner, getattr(v, node.attr))
             return v
+        if isinstance(node, Deref):
+            inner = deref(node.kind, v)
+            new = self.put(node.inner, inner)
+            if new is not inner:
+                if node.kind != "ctx":  # pragma: no cover - the walk puts no place there
+                    raise AssertionError("a place behind a weak reference")
+                token = v.set(new)
+                self._log(functools.partial(v.reset, token))
+            return v
+        if isinstance(node, Modules):
+            return v  # user modules, checked by identity; their attributes are absolute
         if isinstance(node, Obj):
+            if node.skipped and self.record:
+                # Attributes no walked code reads but a constructor may write (called
+                # on this object while traced): no tracer stays in them afterwards.
+                every = vars(v)
+                kept = [(k, every[k]) for k in node.skipped if k in every]
+                self._log(functools.partial(_untrace, every, kept))
             d: dict[str, Any] = vars(v) if node.attrs else {}
             for name, child in node.attrs:
                 self._set_item(d, name, self.put(child, d[name]))
@@ -208,6 +228,12 @@ class Swap:
         return v
 
 
+def _untrace(d: dict[str, Any], kept: list[tuple[str, Any]]) -> None:
+    for k, old in kept:
+        if is_tracer(d.get(k)):
+            d[k] = old
+
+
 def _restore_tree(v: Any, treedef: Any, leaves: list[Any]) -> None:
     """Put the original leaves back, whatever the trace rebound meanwhile: by position,
     or, where the function changed the structure (a static attribute it counts in,
@@ -260,6 +286,8 @@ class Settle:
         self.put = put
         self.written = written
         self.values: dict[int, Any] = {}
+        # Aliases met before the node of their object, with the value each route holds.
+        self.waiting: dict[int, list[Any]] = {}
         self.demoted = False
         self.cacheable = True
 
@@ -270,12 +298,14 @@ class Settle:
             self.demoted = True
         return Unchecked()
 
-    def _entries(self, items: list[tuple[Any, Node]], d: dict[Any, Any]) -> list[tuple[Any, Node]]:
+    def _entries(
+        self, items: list[tuple[Any, Node]], d: dict[Any, Any], skipped: Any = ()
+    ) -> list[tuple[Any, Node]]:
         """The entries of a dict (or an object's `__dict__`) after a trace. Entries the
         function added (a default filled in on first use, lazy initialisation, a
         cached_property) are its own outputs, not checked; one it removed is no
         longer read. The others stay checked: the function may read them (as
-        uncompiled, they stay fresh)."""
+        uncompiled, they stay fresh). `skipped`: names that were there, unchecked."""
         out = []
         for key, child in items:
             if key in d:
@@ -284,7 +314,7 @@ class Settle:
                 raise Unsettled
             else:
                 self.demoted = True
-        known = {key for key, _ in items}
+        known = {key for key, _ in items}.union(skipped)
         for key in [k for k in d if k not in known]:
             out.append((key, self._added(d[key], functools.partial(d.pop, key, None))))
         return out
@@ -326,6 +356,9 @@ class Settle:
 
     def node(self, node: Node, v: Any) -> Node:
         self.values[id(node)] = v
+        for alias in self.waiting.pop(id(node), ()):
+            if not _same(node, alias, v):
+                raise Unsettled
         if isinstance(node, Array):
             if v is not self.put[node.place]:
                 if not is_array(v):
@@ -345,11 +378,9 @@ class Settle:
                 raise Unsettled
             return node
         if isinstance(node, Alias):
-            target = self.values.get(id(node.target))
-            # A `jax.jit`/`tg.jit` helper reached first is replaced by its function
-            # while traced (inlined); the same helper reached again is not.
-            inlined = isinstance(node.target, Jitted) and getattr(v, "__wrapped__", None) is target
-            if v is not target and not inlined:
+            if id(node.target) not in self.values:  # its node comes later
+                self.waiting.setdefault(id(node.target), []).append(v)
+            elif not _same(node.target, v, self.values[id(node.target)]):
                 raise Unsettled
             return node
         if isinstance(node, Seq):
@@ -360,7 +391,13 @@ class Settle:
         if isinstance(node, Map):
             if type(v) is not node.type:
                 return self._demote(node, v)
-            node.items = self._entries(node.items, v)
+            items = self._entries(node.items, v)
+            if [k for k, _ in items] != list(v):
+                # The function reordered the dict: the order is its output, not checked.
+                node.ordered = False
+                where = {k: i for i, k in enumerate(v)}
+                items.sort(key=lambda item: where[item[0]])
+            node.items = items
             return self._container(node, [c for _, c in node.items])
         if isinstance(node, Func):
             if type(v) is not types.FunctionType or v.__code__ is not node.code:
@@ -423,10 +460,23 @@ class Settle:
                 return self._demote(node, v)
             node.inner = self.node(node.inner, getattr(v, node.attr))
             return node
+        if isinstance(node, Deref):
+            if type(v) is not node.type:
+                return self._demote(node, v)
+            node.inner = self.node(node.inner, deref(node.kind, v))
+            return node
+        if isinstance(node, Modules):
+            if type(v) is not dict:
+                return self._demote(node, v)
+            node.size = len(v)  # modules imported while traced (jax imports lazily)
+            node.items = [(k, self.node(c, v.get(k, MISSING))) for k, c in node.items]
+            return node
         if isinstance(node, Obj):
             if type(v) is not node.type.get():
                 return self._demote(node, v)
-            node.attrs = self._entries(node.attrs, getattr(v, "__dict__", {}))
+            d = getattr(v, "__dict__", {})
+            node.attrs = self._entries(node.attrs, d, node.skipped)
+            node.skipped = [k for k in node.skipped if k in d]
             node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
             return node
         if isinstance(node, Tree):
@@ -467,6 +517,13 @@ class Settle:
             node.attrs = attrs
             return node
         raise AssertionError(type(node))  # pragma: no cover
+
+
+def _same(target: Node, alias: Any, v: Any) -> bool:
+    """Whether an Alias's route holds the object of its target's route. A `jax.jit` or
+    `tg.jit` helper reached first is replaced by its function while traced (inlined);
+    the same helper reached again is not."""
+    return alias is v or (isinstance(target, Jitted) and getattr(alias, "__wrapped__", None) is v)
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -4,20 +4,19 @@ On a cache miss the engine walks the function being compiled (and, for
 `tg.jit`, its callable arguments): closure cells, the globals its code names,
 defaults, and recursively the user functions, methods, partials, `jax.jit`
 helpers, containers, objects and pytrees it reaches; then the classes and user
-modules met on the way, whose attributes the walked code reads by name. Each
-array found is a numbered place; every other value is remembered for the guard.
+modules met on the way, whose attributes the walked code reads by name, and the
+attributes of the objects met that the walked code may read (`_codeinfo.py`).
+Each array found is a numbered place; every other value is remembered for the
+guard.
 """
 
 from __future__ import annotations
 
-import array
-import collections
-import collections.abc
-import copy
 import enum
 import functools
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._codeinfo import PROTOCOL_NAMES, code_info, every_attribute, reads_any_attribute
 from ._guard import (
     _CONST_TYPES,
     JITTED_TYPES,
@@ -33,28 +33,31 @@ from ._guard import (
     Array,
     Attrs,
     Const,
+    Deref,
     Descr,
     Fixed,
     Func,
     Jitted,
     Map,
     Method,
+    Modules,
     Node,
     Obj,
     ParamsNode,
     Partial,
     Same,
     Seq,
-    Snap,
     Tree,
     Unchecked,
     _arrays,
     _code_of,
     _is_library,
     _is_pytree_node,
-    code_info,
+    deref,
+    holder_kind,
     is_array,
     is_library_module,
+    snapshot,
 )
 
 _SKIP_CLASS_ATTRS = frozenset(
@@ -88,6 +91,14 @@ class Walk:
         self.names: list[str] = []  # a readable path per place, for messages
         self.seen: dict[int, Node] = {}
         self.attr_names: set[str] = set()
+        # The instance attributes the walked code may read (`_CodeInfo.reads`), or all
+        # of them (`dynamic`); objects' attributes are walked last, once these are known.
+        self.read_names: set[str] = set(PROTOCOL_NAMES)
+        self.dynamic = False
+        self.pending: list[_Pending] = []
+        # Objects used as dict keys or set elements: their identity is what a lookup
+        # compares (`Node.ident`).
+        self.keyed: dict[int, Any] = {}
         # Classes and user modules met on the way, walked last as absolute roots
         # (their attributes are read by name, so the names must be known first).
         self.absolute: dict[int, Any] = {}
@@ -163,6 +174,15 @@ class Walk:
                     node.attrs.append((name, self._attr(obj, name, value)))
                     done[key].add(name)
                     changed = True
+            changed = self._walk_pending() or changed
+        for p in self.pending:
+            p.node.skipped = [k for k in p.dict or () if k not in p.done]
+        for key, k in self.keyed.items():
+            found = self.seen.get(key)
+            if found is not None and type(k).__eq__ is object.__eq__:
+                # Looked up by identity (`weights[layer]`): another object of the same
+                # contents in its place reads another entry.
+                found.ident = Same(k)
         self._absences(nodes)
         self._module_absences(nodes)
         absolute = list(nodes.values())
@@ -238,11 +258,16 @@ class Walk:
         t = type(value)
         if t in _CONST_TYPES:
             return Const(value)
-        if is_array(value):
+        kind = holder_kind(t)
+        if kind is None and is_array(value):
             return self._place(path)
         prior = self.seen.get(id(value))
         if prior is not None:
             return Alias(prior)
+        if kind is not None:
+            return self._holder(value, kind, path)
+        if value is sys.modules:
+            return self._modules(value)
         if not _plain_attributes(t):
             try:
                 value.__class__  # noqa: B018 -- what isinstance and hasattr read first
@@ -257,6 +282,7 @@ class Walk:
             seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(value))
             return seq
         if t is dict:
+            self._note_keys(value)
             mapping = self._memo(value, Map(t, []))
             mapping.items.extend(
                 (k, self.node(v, f"{path}[{k!r}]")) for k, v in list(value.items())
@@ -268,6 +294,7 @@ class Walk:
             # A library wrapper of a user function (jax.vmap, jax.grad, a functools.wraps
             # decorator): the wrapper by identity, and what the wrapped function reads
             # as a root of its own, so its captured arrays are inputs.
+            self._library(value)
             self.fixed(getattr(value, "__wrapped__", None))
             return Same(value)
         if t is types.MethodType:
@@ -298,14 +325,17 @@ class Walk:
             return ps
         if t is types.ModuleType:
             # A library module too: its data attributes the code reads (os.environ,
-            # a constant a user reassigned) are checked; its functions, classes and
-            # submodules are not (`finish`).
-            if value is not sys:  # sys.modules would be a walk of every module
-                self._absolute(value)
+            # a constant a user reassigned, sys.modules: `_modules`) are checked; its
+            # functions, classes and submodules are not (`finish`).
+            self._absolute(value)
+            if is_library_module(value.__name__):
+                self._library(value)
             return Same(value)
         if isinstance(value, type):
             if not _is_library(value):
                 self._absolute(value)
+            else:
+                self._library(value)
             return Same(value)
         if isinstance(value, enum.Enum):
             return Same(value)
@@ -316,6 +346,7 @@ class Walk:
                 return Same(value)
         if isinstance(value, dict):
             # A dict subclass (Counter, a user's): read by key, as a dict.
+            self._note_keys(value)
             mapping = self._memo(value, Map(t, []))
             mapping.items.extend(
                 (k, self.node(v, f"{path}[{k!r}]")) for k, v in list(value.items())
@@ -325,10 +356,16 @@ class Walk:
             seq = self._memo(value, Seq(t, []))
             seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(value))
             return seq
-        snap = _snapshot(value)
+        if isinstance(value, (set, frozenset)):
+            self._note_keys(value)
+        snap = snapshot(value)
         if snap is not None:
             return snap
+        if isinstance(value, threading.local):
+            # Its instance dict is the calling thread's: read afresh on each call.
+            return self._object(value, path)
         if _is_library(t) and t is not types.SimpleNamespace:
+            self._library(value)
             wrapped = getattr(value, "__wrapped__", None) if callable(value) else None
             if type(wrapped) is types.FunctionType:
                 # A library wrapper of a user function (functools.lru_cache): what the
@@ -348,6 +385,8 @@ class Walk:
             self.fixed(inner)
         info = code_info(fn.__code__)
         self.attr_names.update(info.attrs)
+        self.read_names.update(info.reads)
+        self.dynamic = self.dynamic or info.dynamic
         node = self._memo(fn, Func(fn.__code__, id(fn.__globals__)))
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
@@ -391,46 +430,92 @@ class Walk:
         return Const(x) if type(x) in _CONST_TYPES else Same(x)
 
     def _object(self, value: Any, path: str) -> Node:
+        """A user object: its attributes are walked in `finish`, those the walked code
+        may read (`read_names`), once every name is known; the others are unchecked,
+        so bookkeeping the function never reads (a step counter the training loop
+        increments) does not trace it again."""
         t = type(value)
         self._absolute(t)
         node = self._memo(value, Obj(Same(t), [], []))
         d = getattr(value, "__dict__", None)
         node.has_dict = d is not None
-        if d is not None:
-            node.attrs.extend((k, self.node(v, f"{path}.{k}")) for k, v in list(d.items()))
-        for name in _slot_names(t):
-            v = getattr(value, name, MISSING)
-            if v is not MISSING:
-                node.slots.append((name, self.node(v, f"{path}.{name}")))
+        self.pending.append(_Pending(node, value, d, path, every_attribute(t)))
         return node
+
+    def _walk_pending(self) -> bool:
+        """Walk the attributes of the objects met that the code read so far may read."""
+        changed = False
+        for p in self.pending:  # grows while walked: later objects are walked too
+            every = p.every or self.dynamic
+            for k, v in list(p.dict.items()) if p.dict is not None else ():
+                if k not in p.done and (every or k in self.read_names):
+                    p.done.add(k)
+                    p.node.attrs.append((k, self.node(v, f"{p.path}.{k}")))
+                    changed = True
+            for name in _slot_names(type(p.value)):
+                if name not in p.done and (every or name in self.read_names):
+                    p.done.add(name)
+                    changed = True
+                    v = getattr(p.value, name, MISSING)
+                    if v is not MISSING:
+                        p.node.slots.append((name, self.node(v, f"{p.path}.{name}")))
+        return changed
+
+    def _holder(self, value: Any, kind: str, path: str) -> Node:
+        """A weak reference, weak proxy or ContextVar: what it holds, read through it."""
+        inner = deref(kind, value)
+        if kind == "proxy" and (
+            inner is MISSING or not repr(value).lower().endswith(f" at {id(inner):#x}>")
+        ):
+            return Same(value)  # dead, or not the object `referent` found: by identity
+        node = self._memo(value, Deref(kind, type(value), Unchecked()))
+        if inner is MISSING:
+            node.inner = Const(MISSING)
+        elif kind != "ctx" and is_array(inner):
+            # No tracer can take the place of a weakly referenced array: a jax array
+            # is checked by identity (it is immutable), a numpy array by a copy.
+            node.inner = snapshot(inner) if isinstance(inner, np.ndarray) else Same(inner)
+        else:
+            node.inner = self.node(inner, f"{path}()" if kind == "ref" else path)
+        return node
+
+    def _modules(self, modules: dict[Any, Any]) -> Node:
+        """`sys.modules`, however reached: the user modules in it, by name."""
+        node = Modules(len(modules), [])
+        for name, module in list(modules.items()):
+            if isinstance(name, str) and not is_library_module(name):
+                node.items.append((name, self.node(module, f"sys.modules[{name!r}]")))
+        return node
+
+    def _library(self, obj: Any) -> None:
+        """Library code the function may call, or an object of a library's: unless the
+        library is one known to read no attribute of the objects it is given but
+        their array protocols (jax, numpy, optax...), every instance attribute of the
+        objects the walk meets counts as read (`copy`, `json`, `pickle` read any)."""
+        if not self.dynamic and reads_any_attribute(obj):
+            self.dynamic = True
+
+    def _note_keys(self, keys: Any) -> None:
+        for k in list(keys):
+            if type(k) not in _CONST_TYPES:
+                self.keyed[id(k)] = k
 
 
 _SKIPPED_DESCRIPTORS = (types.MemberDescriptorType, types.GetSetDescriptorType)
 
-# Mutable containers the walk does not see into, compared by a copy of their contents
-# when every element is a number or string (otherwise: by identity, as before).
-_SNAP_TYPES = (set, frozenset, bytearray, collections.deque, array.array)
 
+class _Pending:
+    """An object met by the walk, whose attributes are walked in `finish`."""
 
-def _snapshot(value: Any) -> Snap | None:
-    t = type(value)
-    if isinstance(value, np.ndarray):  # of strings, bytes, dates, or objects
-        if value.dtype.kind == "O" and not all(type(x) in _CONST_TYPES for x in value.flat):
-            return None
-        return Snap(t, value.copy())
-    if isinstance(value, _SNAP_TYPES):
-        if all(type(x) in _CONST_TYPES for x in value):
-            return Snap(t, copy.copy(value))
-        return None
-    if isinstance(value, collections.abc.Mapping) and not _is_pytree_node(value):
-        # os.environ, a ChainMap, a MappingProxyType: compared as a dict of their items.
-        try:
-            items = dict(value)
-        except Exception:  # a user's Mapping whose iteration fails: left to identity
-            return None
-        if all(type(x) in _CONST_TYPES for x in items.values()):
-            return Snap(t, items, as_dict=True)
-    return None
+    __slots__ = ("dict", "done", "every", "node", "path", "value")
+
+    def __init__(self, node: Obj, value: Any, d: dict[str, Any] | None, path: str, every: bool):
+        self.node = node
+        self.value = value
+        self.dict = d
+        self.path = path
+        self.every = every
+        self.done: set[str] = set()
 
 
 def _plain_attributes(t: type) -> bool:

@@ -1,0 +1,238 @@
+"""What code reads: the global and attribute names of a code object, and which
+attributes of an object count as read.
+
+The walk (`_walk.py`) checks a class's or a module's attributes by the names the
+walked code reads, and an object's instance attributes by the names that code
+may read, so that a value nothing reads (bookkeeping of the user's) changes
+without tracing the function again.
+"""
+
+from __future__ import annotations
+
+import abc
+import dis
+import re
+import types
+import typing
+from typing import Any
+
+from ._guard import _is_library
+
+
+class _CodeInfo:
+    """The global names and attribute names a code object (and its nested code) reads.
+
+    `attrs`: every attribute name it loads or stores (a class's or a module's
+    attributes of those names are walked). `reads`: the instance attributes it
+    may read: those it loads or deletes, those it stores outside a constructor (a
+    step that writes `self.x` must see it settled), and the names it spells as
+    string constants (`getattr(o, "x")`, `hasattr`, `attrgetter("a.b")`,
+    `"{0.x}".format(o)`; not in `attrs`: each would add a check to every library
+    module with a `__getattr__` the function reaches, jax.numpy's included).
+    `dynamic`: it may read an attribute by a name computed at run time
+    (`getattr(o, name)`, `vars(o)`, `o.__dict__`, `dataclasses.asdict`...), so
+    every instance attribute of the objects it reaches counts as read.
+    """
+
+    __slots__ = ("attrs", "dynamic", "globals", "reads")
+
+    def __init__(self, code: types.CodeType):
+        names: dict[str, None] = {}
+        attrs: set[str] = set()
+        reads: set[str] = set()
+        dynamic = False
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            ins = list(dis.get_instructions(c))
+            for i, op in enumerate(ins):
+                name = op.opname
+                if name in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
+                    names[op.argval] = None
+                    if op.argval in _BY_NAME and not _constant_name(ins, i + 1):
+                        dynamic = True
+                    dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
+                elif name in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR", "DELETE_ATTR"):
+                    attrs.add(op.argval)
+                    reads.add(op.argval)
+                    if op.argval in _BY_NAME and not _constant_name(ins, i + 1):
+                        dynamic = True
+                    dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
+                elif name == "STORE_ATTR":
+                    attrs.add(op.argval)
+                    if c.co_name not in _CONSTRUCTORS:
+                        reads.add(op.argval)
+            for k in c.co_consts:
+                if isinstance(k, types.CodeType):
+                    stack.append(k)
+                elif isinstance(k, str):
+                    if all(part.isidentifier() for part in k.split(".")):
+                        reads.update(k.split("."))
+                    elif "{" in k:  # a format string: "{0.scale}".format(cfg)
+                        reads.update(_FORMAT_ATTRIBUTE.findall(k))
+        self.globals = tuple(names)
+        self.attrs = frozenset(attrs)
+        self.reads = frozenset(reads)
+        self.dynamic = dynamic
+
+
+_FORMAT_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)(?=[^{}]*\})")
+# Functions that read an attribute by name: by a constant name they read that name
+# (a string constant, in `reads`); by any other, every attribute may be read.
+_BY_NAME = frozenset({"getattr", "hasattr", "setattr", "delattr", "attrgetter", "methodcaller"})
+# Names whose use reads (or writes) an object's attributes by names not in the code.
+_READS_EVERY_ATTRIBUTE = frozenset(
+    {
+        "vars",
+        "dir",
+        "__dict__",
+        "__getattribute__",
+        "__setattr__",
+        "__delattr__",
+        "__getstate__",
+        "__reduce__",
+        "__reduce_ex__",
+        "asdict",
+        "astuple",
+        "deepcopy",
+    }
+)
+# An attribute only a constructor stores, and no code reads, is bookkeeping of the
+# user's (a step counter set in __init__ and incremented by the training loop).
+_CONSTRUCTORS = frozenset({"__init__", "__new__", "__post_init__", "__setstate__"})
+
+
+def _constant_name(ins: list[dis.Instruction], i: int) -> bool:
+    """Whether the call starting after instruction `i - 1` (getattr and the like) passes
+    a string constant as the name: an object loaded by name and attributes, then it."""
+    while i < len(ins) and ins[i].opname in _OBJECT_LOADS:
+        i += 1
+    return i < len(ins) and ins[i].opname == "LOAD_CONST" and isinstance(ins[i].argval, str)
+
+
+_OBJECT_LOADS = frozenset(
+    {
+        "LOAD_FAST",
+        "LOAD_FAST_CHECK",
+        "LOAD_FAST_BORROW",
+        "LOAD_DEREF",
+        "LOAD_CLOSURE",
+        "LOAD_CLASSDEREF",
+        "LOAD_GLOBAL",
+        "LOAD_NAME",
+        "LOAD_ATTR",
+        "PUSH_NULL",
+        "EXTENDED_ARG",
+        "COPY_FREE_VARS",
+        "NOP",
+    }
+)
+
+
+_CODE_INFO: dict[types.CodeType, _CodeInfo] = {}
+
+
+def code_info(code: types.CodeType) -> _CodeInfo:
+    info = _CODE_INFO.get(code)
+    if info is None:
+        info = _CODE_INFO[code] = _CodeInfo(code)
+    return info
+
+
+# Instance attributes libraries read by name from the objects they are given (array
+# protocols, wrapped callables): checked whatever the walked code reads.
+PROTOCOL_NAMES = frozenset(
+    {
+        "shape",
+        "dtype",
+        "ndim",
+        "size",
+        "sharding",
+        "weak_type",
+        "__array__",
+        "__array_interface__",
+        "__array_struct__",
+        "__array_priority__",
+        "__jax_array__",
+        "__dlpack__",
+        "__cuda_array_interface__",
+        "__wrapped__",
+        "__name__",
+        "__qualname__",
+        "__module__",
+        "__doc__",
+    }
+)
+# Libraries whose code reads no attribute of the objects it is given but the array
+# protocols (PROTOCOL_NAMES) and their classes' special methods (`_thread` is
+# `threading`'s, `_operator` `operator`'s: C modules named with an underscore).
+_READS_PROTOCOLS_ONLY = frozenset(
+    {
+        "jax",
+        "jaxlib",
+        "numpy",
+        "optax",
+        "treegrad",
+        "ml_dtypes",
+        "opt_einsum",
+        "einops",
+        "jaxtyping",
+        "builtins",
+        "math",
+        "cmath",
+        "operator",
+        "functools",
+        "itertools",
+        "collections",
+        "typing",
+        "typing_extensions",
+        "types",
+        "enum",
+        "abc",
+        "numbers",
+        "weakref",
+        "thread",
+        "threading",
+        "contextvars",
+        "random",
+        "time",
+        "warnings",
+        "sys",
+        "os",
+        "posixpath",
+    }
+)
+_C_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)
+
+
+def reads_any_attribute(obj: Any) -> bool:
+    """Whether library code (a module, function, class, or an object of a library
+    class) may read any attribute of the objects it is given: not one of
+    `_READS_PROTOCOLS_ONLY` (a C function counts as its module's)."""
+    name: Any
+    if type(obj) is types.ModuleType:
+        name = obj.__name__
+    elif isinstance(obj, (type, types.FunctionType, *_C_CALLABLES)):
+        name = getattr(obj, "__module__", None)
+        if name is None:  # a C method (`{}.get`): its object's class's
+            name = type(getattr(obj, "__self__", None)).__module__
+    else:
+        name = type(obj).__module__
+    if not isinstance(name, str):
+        return True
+    return name.partition(".")[0].lstrip("_") not in _READS_PROTOCOLS_ONLY
+
+
+# Bases whose code reads no instance attribute.
+_PLAIN_BASES = frozenset({object, abc.ABC, typing.Generic, typing.Protocol})
+
+
+def every_attribute(t: type) -> bool:
+    """Whether every attribute of a `t` counts as read: a library class's (a
+    `SimpleNamespace`, a `threading.local`) or one deriving from one, whose code
+    (not walked) may read any of them."""
+    return any(_is_library(k) for k in t.__mro__ if k not in _PLAIN_BASES)
+
+
+def clear() -> None:
+    _CODE_INFO.clear()
