@@ -94,17 +94,17 @@ def test_the_cache_frees_the_users_arrays():
     refs = _differentiate_and_forget()
     gc.collect()
     assert [r() for r in refs] == [None, None]  # as jax.jit(jax.grad(...)) would
-    assert tg._engine.cache_size() == 2
+    assert tg._cache.cache_size() == 2
 
 
 def test_the_cache_is_bounded_by_entries(monkeypatch):
-    monkeypatch.setattr(tg._engine, "MAX_ENTRIES", 5)
+    monkeypatch.setattr(tg._cache, "MAX_ENTRIES", 5)
     w = jnp.ones(2)
     for k in range(12):
         ns = {"jnp": jnp}
         exec(f"def f(v):\n    return jnp.sum(v) * {k}\n", ns)  # a new code object each time
         assert float(tg.gradient(ns["f"], w)[0][0]) == k
-    assert tg._engine.cache_size() == 5
+    assert tg._cache.cache_size() == 5
 
 
 def test_a_new_lambda_each_step_traces_once():

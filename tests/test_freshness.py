@@ -216,7 +216,7 @@ def test_function_made_by_exec_without_a_module_name():
         check(ns["f"])
         ns["K"] = 6.0
         check(ns["f"])
-    assert tg._engine.cache_size() == 2
+    assert tg._cache.cache_size() == 2
 
 
 def test_jitted_helper_closure_is_not_stale():
@@ -398,9 +398,9 @@ def _run_random_closures(seed: int, n: int) -> None:
                 setter(rng.choice(values))
             check(f)
         # Nothing changed: the same closure (or a new one of the same code) hits the cache.
-        before = tg._engine.cache_size()
+        before = tg._cache.cache_size()
         tg.gradient(ns["make"](), w)
-        assert tg._engine.cache_size() == before
+        assert tg._cache.cache_size() == before
     tg.clear_cache()
 
 

@@ -136,7 +136,7 @@ def test_object_with_slots_is_seen_into():
     assert float(tg.gradient(f, jnp.ones(()))[0]) == 2.0
     o.w = jnp.array(7.0)
     assert float(tg.gradient(f, jnp.ones(()))[0]) == 7.0
-    assert tg._engine.cache_size() == 1
+    assert tg._cache.cache_size() == 1
 
 
 def test_withgradient_tuple_output_is_aux():
@@ -239,14 +239,14 @@ def test_compile_reused_across_models_of_same_shape():
     xs, ys = jnp.ones((3, 4)), jnp.zeros((3, 1))
     grad = lambda model: tg.gradient(lambda m: mse(m, xs, ys), model)
     grad(m1)
-    n = tg._engine.cache_size()
+    n = tg._cache.cache_size()
     (g2,) = grad(m2)
-    assert tg._engine.cache_size() == n
+    assert tg._cache.cache_size() == n
     assert_trees_close(g2, jax.grad(mse)(m2, xs, ys))
 
 
 def test_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(tg._engine, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(tg._cache, "MAX_ENTRIES", 3)
     for k in range(6):
         assert float(tg.gradient(lambda v, k=k: jnp.sum(v) * k, jnp.ones(()))[0]) == k
-    assert tg._engine.cache_size() == 3
+    assert tg._cache.cache_size() == 3

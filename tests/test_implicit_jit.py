@@ -313,7 +313,7 @@ def test_no_retrace_and_no_warning_over_many_compiled_implicit_steps():
         warnings.simplefilter("error")
         for _ in range(5):
             step(X, Y)
-    assert tg._engine.cache_size() <= 3  # the step, the gradient inside, nothing per call
+    assert tg._cache.cache_size() <= 3  # the step, the gradient inside, nothing per call
 
 
 def test_module_level_state_is_written_back():

@@ -6,9 +6,9 @@ from ._adjust import adjust as adjust
 from ._adjust import adjust_ as adjust_
 from ._adjust import freeze_ as freeze_
 from ._adjust import thaw_ as thaw_
+from ._cache import RetraceWarning as RetraceWarning
+from ._cache import clear_cache as clear_cache
 from ._destructure import destructure as destructure
-from ._engine import RetraceWarning as RetraceWarning
-from ._engine import clear_cache as clear_cache
 from ._gradient import gradient as gradient
 from ._gradient import hessian as hessian
 from ._gradient import jacobian as jacobian

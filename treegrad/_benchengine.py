@@ -36,8 +36,10 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
     alone, so the difference is the Python treegrad adds around XLA.
     """
     import treegrad as tg
-    from treegrad import _engine as E
+    from treegrad import _cache as C
     from treegrad import _programs as P
+    from treegrad._call import Call, root_keys
+    from treegrad._outputs import uniq
 
     from ._bench import _tg_loss, _tg_model
 
@@ -49,13 +51,13 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
     ost = opt.init(m)
     loss = lambda m: _tg_loss(m, x, y)
     _, (g,) = tg.withgradient(loss, m)
-    call = E.Call(P.GRAD, (True,), (loss,), (m,))
-    entry = E._CACHE[call.key][0]
+    call = Call(P.GRAD, (True,), (loss,), (m,))
+    entry = C._CACHE[call.key][0]
     cl = entry.guard.check(loss)
     assert cl is not None
     dyn = [*cl, *call.a_uniq]
     ct = P.cotangent()
-    shape, *_ = E._RECENT[(P.GRAD, (True,), E.root_keys((loss,)))]
+    shape, *_ = C._RECENT[(P.GRAD, (True,), root_keys((loss,)))]
     flat_grads, _, _ = entry.jitted(*dyn, ct)
     vg = jax.jit(jax.value_and_grad(_tg_loss))
 
@@ -69,9 +71,9 @@ def overhead_breakdown(sizes: list[int], batch: int) -> dict[str, float]:
             lambda: tg.withgradient(lambda m: _tg_loss(m, x, y), m)
         ),
         "  its compiled program alone": _per_call(lambda: entry.jitted(*dyn, ct)),
-        "  read arguments (generated code)": _per_call(lambda: E.uniq(shape.flatten((m,)) or [])),
+        "  read arguments (generated code)": _per_call(lambda: uniq(shape.flatten((m,)) or [])),
         "    (a new structure: flatten, key)": _per_call(
-            lambda: E.Call(P.GRAD, (True,), (loss,), (m,))
+            lambda: Call(P.GRAD, (True,), (loss,), (m,))
         ),
         "  guard (re-read what it captures)": _per_call(lambda: entry.guard.check(loss)),
         "  gradient tree from the flat outputs": _per_call(lambda: entry._grad_tree(flat_grads)),
@@ -151,14 +153,14 @@ def memory(n_lambdas: int = 20_000, n_codes: int = 2_000, every: int = 500) -> l
 
     w = jnp.ones(8)
     x = jnp.ones(8)
-    lines = [f"resident memory, cache bound {tg._engine.MAX_ENTRIES} programs:"]
+    lines = [f"resident memory, cache bound {tg._cache.MAX_ENTRIES} programs:"]
     base = resident_mb()
     lines.append(f"  start: {base:.0f} MB")
     for _ in range(n_lambdas):
         tg.gradient(lambda v: jnp.sum(v * x), w)
     lines.append(
         f"  after {n_lambdas} new lambdas of one code: {resident_mb():.0f} MB, "
-        f"{tg._engine.cache_size()} program(s) cached"
+        f"{tg._cache.cache_size()} program(s) cached"
     )
     for k in range(n_codes):
         ns: dict[str, Any] = {"jnp": jnp}
@@ -167,6 +169,6 @@ def memory(n_lambdas: int = 20_000, n_codes: int = 2_000, every: int = 500) -> l
         if (k + 1) % every == 0:
             lines.append(
                 f"  after {k + 1} distinct functions: {resident_mb():.0f} MB, "
-                f"{tg._engine.cache_size()} programs cached"
+                f"{tg._cache.cache_size()} programs cached"
             )
     return lines

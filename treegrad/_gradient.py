@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _engine as E
+from . import _cache as C
 from . import _jaxpr
 from . import _programs as P
 from ._grads import Grads
@@ -40,7 +40,7 @@ def _check_callable(f: Any, api: str) -> None:
 
 
 _STYLE_OK: set[Any] = set()
-E.MEMOS.append(_STYLE_OK)
+C.MEMOS.append(_STYLE_OK)
 
 
 def _styled(f: Any, api: str, args: tuple[Any, ...]) -> Params | None:
@@ -117,7 +117,7 @@ def _describe(f: Any) -> str:
 
 def _explicit(program: str, api: str, f: Any, args: tuple[Any, ...], options: Any) -> Any:
     try:
-        return E.execute(program, api, options, (f,), args)
+        return C.execute(program, api, options, (f,), args)
     except ValueError as e:
         _explain_devices(api, args, e)
         raise
@@ -149,7 +149,7 @@ class _Implicit:
     def __init__(self, program: str, api: str, f: Any, ps: Params, options: Any):
         self.arrays, self.paths = ps._read()
         try:
-            self.entry, self.out = E.execute(program, api, options, (f,), (), params=self.arrays)
+            self.entry, self.out = C.execute(program, api, options, (f,), (), params=self.arrays)
         except ValueError as e:
             if several_devices():
                 different_devices(api, ((repr(k), a) for k, a in ps.named().items()), e)
@@ -204,7 +204,7 @@ def _no_gradient(api: str, strict: bool, n: int, traced: bool = False) -> None:
 
 def _explicit_grad(api: str, f: Any, args: tuple[Any, ...], has_aux: bool) -> tuple[Any, Any]:
     try:
-        _, (_, packed, grads) = E.execute(P.GRAD, api, (has_aux,), (f,), args)
+        _, (_, packed, grads) = C.execute(P.GRAD, api, (has_aux,), (f,), args)
     except ValueError as e:
         _explain_devices(api, args, e)
         raise

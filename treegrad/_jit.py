@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from . import _cache as C
 from . import _engine as E
 from . import _guard as G
 from . import _programs as P
@@ -108,7 +109,7 @@ class Jitted:
             and (_NOT_FUNCTIONS.issuperset(map(type, args)) or not any(map(_is_function, args)))
         ):
             # No static or callable argument (a training step): the arguments as given.
-            _, (_, packed, _) = E.execute(
+            _, (_, packed, _) = C.execute(
                 P.CALL, "tg.jit", self._options, (self.__wrapped__,), (args, {}), make=self._entry
             )
             return packed.value()
@@ -140,7 +141,7 @@ class Jitted:
         def make(call: E.Call) -> E.Entry:
             return self._new_entry(call, options, static)
 
-        _, (_, packed, _) = E.execute(
+        _, (_, packed, _) = C.execute(
             P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
         )
         return packed.value()
@@ -189,12 +190,12 @@ class Jitted:
 
 
 _IS_FUNCTION: dict[type, bool] = {}
-E.MEMOS.append(_IS_FUNCTION)
+C.MEMOS.append(_IS_FUNCTION)
 
 
 # The argument types seen that are not functions: checked for all arguments in C.
 _NOT_FUNCTIONS: set[type] = set()
-E.MEMOS.append(_NOT_FUNCTIONS)
+C.MEMOS.append(_NOT_FUNCTIONS)
 
 
 def _is_function(a: Any) -> bool:

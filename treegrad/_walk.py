@@ -526,7 +526,7 @@ def describe(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-_SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # cleared with the other memos (_engine.MEMOS)
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # cleared with the other memos (_cache.MEMOS)
 
 
 def _slot_names(t: type) -> tuple[str, ...]:

@@ -1,0 +1,200 @@
+"""Steps 2 and 4 of the engine (`_engine`): the cache of compiled programs, and a call.
+
+`execute` runs a function under one of the programs (`_programs`): the last
+arguments' structure seen with the function (generated code, `_fasttree.Shape`)
+finds its bucket without flattening; each entry's guard then says whether it
+fits. On a miss a new `Entry` is traced and filed. The cache is bounded by a
+number of programs (least recently used first out); `clear_cache` forgets it
+and every memo.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import _guard as G
+from ._call import _GROUPS, Call, root_keys, uniq_in_groups
+from ._engine import Entry
+from ._fasttree import Shape
+from ._outputs import shared_nodes
+from ._paths import _LAST, _SETTERS
+from ._tree import user_stacklevel
+from ._walk import _SLOT_NAMES, describe
+
+
+class RetraceWarning(UserWarning):
+    """Warned once per function that captures arrays treegrad cannot track.
+
+    Such a function is re-traced on every call, so its result is never stale.
+    treegrad sees into closures, globals, containers, plain objects, classes and
+    pytrees; an array inside, say, a `collections.deque` is out of its sight.
+
+    Examples:
+        >>> import collections, warnings, jax.numpy as jnp, treegrad as tg
+        >>> d = collections.deque([jnp.ones(2)])
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     g = tg.gradient(lambda v: jnp.sum(v * d[0]), jnp.ones(2))
+        >>> caught[0].category is tg.RetraceWarning
+        True
+    """
+
+
+# Each compiled program costs about 1.5 MB of resident memory (measured on CPU,
+# jax 0.10: see docs/benchmarks.md), so the cache is bounded by a number of
+# programs that keeps it near 200 MB; least recently used first out.
+MAX_ENTRIES = 128
+_CACHE: dict[Any, list[Entry]] = {}
+_LRU: collections.OrderedDict[int, tuple[Any, Entry]] = collections.OrderedDict()
+_WARNED: set[Any] = set()
+# Per function (and program, options): the last arguments' structure, its ties, its
+# bucket and its argument groups (`_call._groups`).
+_Slots = tuple[int, ...] | None
+_RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots, Any]] = {}
+_SHAPES: dict[Any, Shape] = {}
+# Other modules' memos (per code object or type), forgotten by clear_cache too.
+MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES]
+
+
+def execute(
+    program: str,
+    api: str,
+    options: Any,
+    roots: tuple[Any, ...],
+    args: Any,
+    *,
+    params: Sequence[Any] | None = None,
+    make: Callable[[Call], Entry] | None = None,
+) -> tuple[Entry, Any]:
+    """Run `roots[0]` under `program`; returns the entry and `(deps, packed, grads)`."""
+    f = roots[0]
+    rk = f.__code__ if len(roots) == 1 and type(f) is types.FunctionType else root_keys(roots)
+    recent_key = (program, options, rk)
+    recent = _RECENT.get(recent_key)
+    if recent is not None:
+        # The arguments' structure seen last with this function, read by generated
+        # code: the same structure and ties give the same cache key.
+        shape, slots, last, groups, shared = recent
+        leaves = shape.flatten(args)
+        if leaves is not None:
+            if slots is None and len(set(map(id, leaves))) == len(leaves):
+                hit = _lookup(last, roots, leaves, params)  # no tied arrays: the usual case
+            else:
+                a_uniq, a_slots = uniq_in_groups(leaves, groups)
+                same = a_slots == slots and (a_slots is None or shared_nodes(args) == shared)
+                hit = _lookup(last, roots, a_uniq, params) if same else None
+            if hit is not None:
+                return hit
+    call = Call(program, options, roots, args)
+    bucket = _CACHE.get(call.key)
+    if bucket is not None:
+        hit = _lookup(bucket, roots, call.a_uniq, params)
+        if hit is not None:
+            _remember(recent_key, call, bucket)
+            return hit
+    entry = make(call) if make is not None else Entry(program, api, options, call, params=params)
+    cl = entry.guard.check(*roots)
+    if cl is None:  # pragma: no cover - a guard must accept the values it was built from
+        raise AssertionError("treegrad: a new guard rejected its own function")
+    dyn = entry.bind(cl, call.a_uniq, params)
+    out = entry.first_run(roots, dyn, params)
+    if entry.cacheable:
+        _remember(recent_key, call, _store(call.key, entry))
+    elif entry.hidden:
+        _warn_hidden(entry, roots[0])
+    return entry, out
+
+
+def _lookup(
+    bucket: list[Entry], roots: tuple[Any, ...], a_uniq: list[Any], params: Sequence[Any] | None
+) -> tuple[Entry, Any] | None:
+    """Run the first entry of `bucket` whose guard and ties accept this call."""
+    for entry in bucket:
+        cl = entry.guard.check(*roots)
+        if cl is None:
+            continue
+        cl_uniq = entry.matches(cl, params)
+        if cl_uniq is None:
+            continue
+        dyn = cl_uniq + a_uniq
+        if not entry.fits(dyn):
+            continue
+        _LRU.move_to_end(id(entry))
+        return entry, entry.run(roots, dyn)
+    return None
+
+
+def _store(key: Any, entry: Entry) -> list[Entry]:
+    bucket = _CACHE.setdefault(key, [])
+    bucket.insert(0, entry)
+    _LRU[id(entry)] = (key, entry)
+    while len(_LRU) > MAX_ENTRIES:
+        _, (old_key, old) = _LRU.popitem(last=False)
+        old_bucket = _CACHE[old_key]
+        old_bucket.remove(old)
+        if not old_bucket:
+            del _CACHE[old_key]
+    return bucket
+
+
+def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
+    """File the bucket a call hit under its function, with its arguments' structure as
+    generated code, for the next call's fast path (`execute`). Only for arguments whose
+    leaves are all arrays: other leaves key the cache by value."""
+    if call.a_statics is not None:
+        return
+    shape = _SHAPES.get(call.a_def)
+    if shape is None:
+        if len(_SHAPES) >= 4 * MAX_ENTRIES:
+            _SHAPES.clear()
+        shape = _SHAPES[call.a_def] = Shape(call.a_def, call.a_uniq)
+    if len(_RECENT) >= 4 * MAX_ENTRIES:
+        _RECENT.clear()
+    # An emptied bucket is dropped from the cache; the one held here then stays
+    # empty, so the fast path misses and the slow path files the new one.
+    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared)
+
+
+def _warn_hidden(entry: Entry, f: Any) -> None:
+    code = getattr(f, "__code__", None) or type(f)
+    if code in _WARNED:
+        return
+    _WARNED.add(code)
+    what = ", ".join(entry.hidden[:5])
+    warnings.warn(
+        f"treegrad cannot cache {describe(f)}: it captures {len(entry.hidden)} array(s) "
+        f"({what}) through objects it cannot see into, so it is re-traced on every call to "
+        "stay correct. Pass these arrays as arguments, or hold them in a tg.Module, list, "
+        "dict, plain object or a closure variable.",
+        RetraceWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def clear_cache() -> None:
+    """Forget every compiled function and every memo (for tests and long sessions).
+
+    Returns:
+        None. The next call of each function traces and compiles it again.
+
+    Examples:
+        >>> import treegrad as tg
+        >>> tg.clear_cache()
+    """
+    _CACHE.clear()
+    _LRU.clear()
+    _WARNED.clear()
+    _RECENT.clear()
+    _SHAPES.clear()
+    _GROUPS.clear()
+    G.clear()
+    for memo in MEMOS:
+        memo.clear()
+
+
+def cache_size() -> int:
+    return len(_LRU)
