@@ -483,6 +483,16 @@ def test_random_programs_compiled_equal_uncompiled_broad(kind, rule, ops):
 # --- targeted programs -------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["module", "eqx"])
+def test_static_edit_then_the_same_compiled_step_twice_traces_once(kind):
+    # Found by the broad random programs: the first step after an edit of a static
+    # attribute made the optimiser state follow the edit inside the trace, so the
+    # step's guard (which had read the old configuration) traced the second call again.
+    run_program(kind, "adam", ["scale", "implicit", "implicit"])
+    run_program(kind, "adam", ["implicit", "scale", "nested", "nested"])
+
+
 def adam_by_hand(n_steps, loss, params, lrs=None, batches=None):
     """Plain optax + jax.grad on a params tree: the reference for whole runs."""
     opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.02)

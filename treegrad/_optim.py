@@ -13,6 +13,7 @@ update changes nothing.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -454,7 +455,17 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
         rebind(src, changed, (m_leaves, config.treedef))
         if isinstance(model, Params):
             model._rebound(src)
+    if config is not state._config and _is_tracer_in(leaves):
+        # Inside a compiled step, after an edit of the model's static data: the state
+        # keeps its configuration (the same arrays and places; only the model's static
+        # data differs), as a compiled step's guard recorded it, so the next call of
+        # the step is not traced again. Outside a trace it follows the model.
+        config = state._config
     state._install(config, leaves)
+
+
+def _is_tracer_in(leaves: Sequence[Any]) -> bool:
+    return bool(leaves) and isinstance(leaves[0], jax.core.Tracer)
 
 
 __all__ = ["Leaf", "OptState", "setup", "update", "update_"]
