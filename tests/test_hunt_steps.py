@@ -483,6 +483,41 @@ def test_random_programs_compiled_equal_uncompiled_broad(kind, rule, ops):
 # --- targeted programs -------------------------------------------------------------------
 
 
+class _Scaled(tg.Module):
+    def __init__(self):
+        self.w = jnp.arange(6.0).reshape(3, 2) / 6
+        self.scale = 1.0
+
+    def __call__(self, x):
+        return (x @ self.w) * self.scale
+
+
+def test_static_edit_with_a_stateless_rule_then_a_compiled_step_twice_traces_once():
+    # optax.sgd keeps no state arrays; the step after an edit of a static attribute
+    # traces once, and every step equals the uncompiled one.
+    worlds = []
+    for compiled in (True, False):
+        model = _Scaled()
+        ps = tg.params(model)
+        state = tg.setup(optax.sgd(0.1), ps)
+        traces = []
+
+        def step(x, model=model, ps=ps, state=state, traces=traces):
+            traces.append(1)
+            tg.update_(state, ps, tg.gradient(lambda: jnp.sum(model(x) ** 2), ps))
+
+        worlds.append((tg.jit(step) if compiled else step, model, traces))
+    x = jnp.ones((4, 3))
+    for edit in (False, True, False, False):
+        for step, model, _ in worlds:
+            if edit:
+                model.scale = -2.0
+            step(x)
+    (_, compiled_model, traces), (_, plain_model, _) = worlds
+    assert len(traces) == 2  # the first call, and the first after the edit
+    np.testing.assert_allclose(compiled_model.w, plain_model.w, rtol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["module", "eqx"])
 def test_static_edit_then_the_same_compiled_step_twice_traces_once(kind):

@@ -455,7 +455,7 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
         rebind(src, changed, (m_leaves, config.treedef))
         if isinstance(model, Params):
             model._rebound(src)
-    if config is not state._config and _is_tracer_in(leaves):
+    if config is not state._config and (_is_tracer_in(new_params) or _is_tracer_in(leaves)):
         # Inside a compiled step, after an edit of the model's static data: the state
         # keeps its configuration (the same arrays and places; only the model's static
         # data differs), as a compiled step's guard recorded it, so the next call of
