@@ -993,9 +993,10 @@ def test_implicit_captured_module_static_function_reads_a_changed_dict():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG (open, _walk): a function of the user's held only inside a library object "
-    "(a schedule inside an optax transformation, kept in the optimiser state's static data) "
-    "is not walked, so what it reads is not checked",
+    reason="BUG (open, _walk): inside tg.jit, a function of the user's held only inside a "
+    "library object (a schedule inside an optax transformation, kept in the optimiser state's "
+    "static data) is not walked, so what it reads is not checked (eager tg.update_ guards it: "
+    "tests/test_optim.py)",
 )
 def test_bug_schedule_inside_an_optax_transformation_reads_a_changed_dict():
     cfg = {"lr": 0.1}

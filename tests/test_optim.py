@@ -229,6 +229,31 @@ def test_update_does_not_retrace():
     assert _optstep.step._cache_size() == n
 
 
+def test_a_schedule_reading_a_changed_value_is_read_fresh_as_plain_optax_does():
+    # The optimiser's step is compiled once per configuration; a schedule of the
+    # user's reading a dict entry (or a global) is guarded like a closure: plain optax,
+    # run eagerly, reads the new value at the next step, and so does tg.update(_).
+    cfg = {"lr": 0.1}
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=lambda count: cfg["lr"])
+    grads = {"w": jnp.array([1.0, -2.0, 0.5])}
+    ref, ref_state = {"w": jnp.ones(3)}, opt.init({"w": jnp.ones(3)})
+    pure = {"w": jnp.ones(3)}
+    held = {"w": jnp.ones(3)}
+    pure_state, held_state = tg.setup(opt, pure), tg.setup(opt, held)
+    sizes = []
+    for lr in (0.1, 0.1, 1.0, 1.0, 0.01):
+        cfg["lr"] = lr
+        u, ref_state = opt.update(grads, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+        pure_state, pure = tg.update(pure_state, pure, grads)
+        tg.update_(held_state, held, grads)
+        sizes.append(_optstep.step._cache_size())
+        np.testing.assert_allclose(pure["w"], ref["w"], rtol=1e-6)
+        np.testing.assert_allclose(held["w"], ref["w"], rtol=1e-6)
+    # Traced again only when the value changed: not on the repeated rates.
+    assert sizes[1] == sizes[0] and sizes[3] == sizes[2]
+
+
 def test_jit_training_step_traces_once_and_matches_eager():
     traces = []
     xs, ys = XS[:, :3], YS[:, :1]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _guard as G
+from . import _optguard
 from ._call import _GROUPS, Call, root_keys, uniq_in_groups
 from ._engine import Entry
 from ._fasttree import Shape
@@ -192,6 +193,7 @@ def clear_cache() -> None:
     _SHAPES.clear()
     _GROUPS.clear()
     G.clear()
+    _optguard.clear()
     for memo in MEMOS:
         memo.clear()
 

@@ -22,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from . import _optstep
 from ._grads import Grads
 from ._layout import placements, several_devices, state_on_other_devices
+from ._optguard import RuleGuard, holder
 from ._optstate import _Config, build, holders
-from ._optstep import BadGradient, step, step_donating
+from ._optstep import BadGradient, clear_steps, step_donating
 from ._optview import Leaf, OptState, SubState
 from ._params import Params
 from ._paths import rebind
@@ -302,6 +304,18 @@ def _check_rebindable(config: _Config, model: Any, api: str) -> None:
         )
 
 
+def _check_rules(config: _Config) -> None:
+    """Trace the step again when a value the rules' own functions read (a schedule's
+    dict entry, say) changed since it was traced: plain optax reads it every step."""
+    cell = config._rules
+    if cell is None:
+        cell = config._rules = holder(tuple(part.rule for part in config.parts))
+    guard = cell[0]
+    if guard is not None and not guard.fresh():
+        clear_steps()  # rare: a schedule's input edited
+        cell[0] = RuleGuard.of(tuple(part.rule for part in config.parts))
+
+
 def _run(
     state: OptState, model: Any, grads: Any, api: str, *, donate: bool = False, in_place: bool
 ) -> tuple[list[Any], list[Any], list[Any], tuple[Any, ...], _Config]:
@@ -333,7 +347,8 @@ def _run(
     else:
         g = _from_tree(config, m_def, m_leaves, model, grads, api)
     g_in, present = _inputs(config, g, params, donate)
-    run = step_donating if donate else step
+    _check_rules(config)  # before the step is read: it may trace it again
+    run = step_donating if donate else _optstep.step
     if config.kept:
         updated = tuple(config.pick_updated(params))
         kept = tuple(config.pick_kept(params))

@@ -96,6 +96,7 @@ class _Config:
         "_names",
         "_paths",
         "_pinned",
+        "_rules",
         "_shape",
         "avals",
         "first",
@@ -166,6 +167,8 @@ class _Config:
         self._paths: list[str] | None = None
         self._pinned: list[int] | None = None
         self._shape: Shape | None = None
+        # `[guard]` of what the rules' own functions read (`_optguard`), on first step.
+        self._rules: list[Any] | None = None
         if like is not None and like.treedef is treedef:
             self._layout, self._paths, self._pinned = like._layout, like._paths, like._pinned
             self._shape = like._shape

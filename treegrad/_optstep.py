@@ -15,6 +15,7 @@ cache is keyed on them.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -177,11 +178,20 @@ def _part_step(
     return new
 
 
-step = jax.jit(_step_impl, static_argnums=(0, 1))
-# The parameters that may change and the optax state: each array appears once
-# (tied weights are one parameter; split parts hold copies), so no buffer is
-# donated twice.
-_step_donating = jax.jit(_step_impl, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _jitted() -> tuple[Any, Any]:
+    # The donating one donates the parameters that may change and the optax state:
+    # each array appears once (tied weights are one parameter; split parts hold
+    # copies), so no buffer is donated twice.
+    # A new function object each time: jax keeps traces per function, across its jits.
+    impl = functools.partial(_step_impl)
+    return (
+        jax.jit(impl, static_argnums=(0, 1)),
+        jax.jit(impl, static_argnums=(0, 1), donate_argnums=(2, 3)),
+    )
+
+
+# Read as `_optstep.step` at each call: `clear_steps` replaces them.
+step, _step_donating = _jitted()
 
 
 def step_donating(
@@ -216,3 +226,9 @@ def step_donating(
     states, updated = once(states, True), once(updated, True)
     kept, grads = once(kept, False), once(grads, False)
     return _step_donating(config, placed, states, updated, kept, grads, present)
+
+
+def clear_steps() -> None:
+    """Forget every traced step (a rule's function reads a changed value: `_optguard`)."""
+    global step, _step_donating
+    step, _step_donating = _jitted()

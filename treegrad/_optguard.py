@@ -1,0 +1,111 @@
+"""Freshness of the optimiser's compiled step: what a rule's own functions read.
+
+`tg.update` runs every optax rule inside one compiled step (`_optstep`), traced
+once per configuration. A rule may hold functions of the user's: a learning-rate
+schedule given to `optax.inject_hyperparams`, a mask or label function. What
+they read (a dict entry, a global, a captured array) is baked into that trace.
+Plain optax, run eagerly, reads it on every step, and so does treegrad: the
+user's functions found in a rule are guarded as a compiled function's closure
+is (`_guardcode.Guard`), and when the guard fails the step is traced again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Sequence
+from typing import Any
+
+from ._guard import _is_library
+from ._guardcode import Guard
+from ._walk import Walk
+
+# A rule is a tree of optax closures; a walk through more objects than this is
+# not a rule's (an object graph reached by accident): stop there.
+_MAX_VISITS = 10_000
+
+
+def user_functions(rules: Sequence[Any]) -> list[Any]:
+    """The functions (and callable objects) of the user's held by `rules`, through
+    optax's closures and objects, tuples (a `GradientTransformation`), lists, dicts
+    and partials."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    todo: list[Any] = list(rules)
+    while todo and len(seen) < _MAX_VISITS:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if type(x) is types.FunctionType:
+            if not _is_library(x):
+                found.append(x)  # walked by the guard, with what it reads
+                continue
+            for cell in x.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    todo.append(cell.cell_contents)
+            todo.extend(x.__defaults__ or ())
+        elif isinstance(x, functools.partial):
+            todo.append(x.func)
+            todo.extend(x.args)
+            todo.extend(x.keywords.values())
+        elif isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (type, types.ModuleType)) or x is None:
+            continue
+        elif not _is_library(type(x)):
+            if callable(x):
+                found.append(x)  # a callable object of the user's: guarded with its state
+        else:
+            # A library object (optax wraps a schedule in one): what it holds.
+            todo.extend(getattr(x, "__dict__", {}).values())
+    return found
+
+
+class RuleGuard:
+    """Whether the values the rules' user functions read are those the step was traced
+    with. `None` from `of` when the rules hold no function of the user's."""
+
+    __slots__ = ("_arrays", "_fns", "_guard")
+
+    def __init__(self, fns: list[Any]):
+        self._fns = fns
+        walk = Walk()
+        for fn in fns:
+            walk.fixed(fn)
+        self._guard = Guard([], walk.finish([]))
+        found = self._guard.check()
+        # A captured array is a constant of the trace: the same objects, or trace again.
+        self._arrays = None if found is None else list(map(id, found))
+
+    @classmethod
+    def of(cls, rules: Sequence[Any]) -> RuleGuard | None:
+        fns = user_functions(rules)
+        return cls(fns) if fns else None
+
+    def fresh(self) -> bool:
+        found = self._guard.check()
+        return found is not None and list(map(id, found)) == self._arrays
+
+
+# Per tuple of rule objects (equal configurations share one compiled step, and
+# equal configurations hold the same rules): `[guard]`, shared by their configs.
+_HOLDERS: dict[tuple[int, ...], tuple[tuple[Any, ...], list[RuleGuard | None]]] = {}
+
+
+def holder(rules: tuple[Any, ...]) -> list[RuleGuard | None]:
+    """The shared `[guard]` of these rules (made on first use)."""
+    key = tuple(map(id, rules))
+    held = _HOLDERS.get(key)
+    if held is None:
+        if len(_HOLDERS) >= 256:
+            _HOLDERS.clear()
+        held = _HOLDERS[key] = (rules, [RuleGuard.of(rules)])  # keeps the ids valid
+    return held[1]
+
+
+def clear() -> None:
+    _HOLDERS.clear()
