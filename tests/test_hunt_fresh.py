@@ -991,28 +991,51 @@ def test_implicit_captured_module_static_function_reads_a_changed_dict():
     np.testing.assert_allclose(tg.gradient(loss, ps)[m.w], [5.0, 5.0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (open, _walk): inside tg.jit, a function of the user's held only inside a "
-    "library object (a schedule inside an optax transformation, kept in the optimiser state's "
-    "static data) is not walked, so what it reads is not checked (eager tg.update_ guards it: "
-    "tests/test_optim.py)",
-)
-def test_bug_schedule_inside_an_optax_transformation_reads_a_changed_dict():
+def test_schedule_inside_an_optax_transformation_reads_a_changed_dict():
+    # Inside tg.jit the optimiser state's rules are walked for the user's functions
+    # (`_walk.static_callables`): the schedule's dict entry is guarded like a closure's.
     cfg = {"lr": 0.1}
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=lambda count: cfg["lr"])
     model = {"w": jnp.ones(3)}
     ps = tg.params(model)
     state = tg.setup(opt, ps)
+    traces = []
 
     @tg.jit
     def step():
+        traces.append(1)
         tg.update_(state, ps, tg.gradient(lambda: jnp.sum(model["w"]), ps))
 
     step()
+    step()  # nothing changed: no new trace
+    assert len(traces) == 1
     cfg["lr"] = 1.0
     step()
-    np.testing.assert_allclose(model["w"], [-0.1, -0.1, -0.1], rtol=1e-5)  # 1 - 0.1 - 1
+    assert len(traces) == 2
+    np.testing.assert_allclose(model["w"], [-0.2, -0.2, -0.2], rtol=1e-5)  # 1 - 0.1 - 0.1 - 1
+
+
+def test_schedule_inside_an_optax_transformation_given_as_an_argument_to_tg_jit():
+    # The explicit form: the state is an argument, its rules static data of its structure.
+    cfg = {"lr": 0.1}
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=lambda count: cfg["lr"])
+    model = {"w": jnp.ones(3)}
+    state = tg.setup(opt, model)
+
+    @tg.jit
+    def step(model, state):
+        (g,) = tg.gradient(lambda m: jnp.sum(m["w"]), model)
+        return tg.update(state, model, g)
+
+    # Reference: plain optax, run eagerly, reads the schedule on every step.
+    ref, ref_state = {"w": jnp.ones(3)}, opt.init({"w": jnp.ones(3)})
+    for lr in (0.1, 1.0, 0.5):
+        cfg["lr"] = lr
+        state, model = step(model, state)
+        u, ref_state = opt.update({"w": jnp.ones(3)}, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+        np.testing.assert_allclose(model["w"], ref["w"], rtol=1e-6)
+    np.testing.assert_allclose(model["w"], [-0.6, -0.6, -0.6], rtol=1e-5)
 
 
 class _ScaleObj:

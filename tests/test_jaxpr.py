@@ -71,4 +71,4 @@ def test_reached_finds_gradients_that_depend_on_the_cotangent():
         return vjp(ct)
 
     closed = _traced(program, jnp.ones(2), jnp.ones(2), jnp.ones(2), jnp.ones(()))
-    assert _jaxpr.reached(closed, 3) == {0, 2}  # b is unused; c is used (times zero)
+    assert _jaxpr.reached(closed, [3]) == {0, 2}  # b is unused; c is used (times zero)

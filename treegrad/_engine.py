@@ -31,7 +31,7 @@ references; the program holds what jax compiled.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -273,8 +273,10 @@ class Entry:
             if self.program == GRAD:
                 # A gradient that does not depend on the cotangent (the last input)
                 # is a structural zero: its input is unused.
-                reached = _jaxpr.reached(closed, len(dyn))
-                deps = {p for k, p in enumerate(self.grad_order()) if k in reached}
+                reached = _jaxpr.reached(closed, [len(dyn)])
+                deps: Collection[int] = {p for k, p in enumerate(self.grad_order()) if k in reached}
+            elif self.fed_back is not None:  # a pullback's or Jacobian's backward pass
+                deps = self.fed_back
             else:
                 deps = _jaxpr.dependencies(closed, range(self.n_deps))
             live = tuple(i for i in self.active if i in deps)
@@ -298,7 +300,11 @@ class Entry:
             "argument, or hold it in a list, dict, plain object or tg.Module)."
         )
 
+    # Set by the program while tracing: how many of its first outputs the inputs'
+    # use is read from, or (a backward pass) the inputs it may give a non-zero
+    # cotangent.
     n_deps = 0
+    fed_back: frozenset[int] | None = None
 
     def _extra(self) -> tuple[Any, ...]:
         return (cotangent(),) if self.program == GRAD else ()

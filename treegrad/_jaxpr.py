@@ -16,7 +16,7 @@ upgrade changes them. They hold on jax 0.10 to 0.12: from 0.11 on,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -111,11 +111,12 @@ def _live_inputs(jaxpr: Any, outvars: Sequence[Any]) -> set[Any]:
     return live
 
 
-def reached(closed: Any, source: int) -> set[int]:
-    """Indices of the outputs that depend on input `source` (a forward pass), or that
-    may be non-zero without it.
+def reached(closed: Any, sources: Iterable[int]) -> set[int]:
+    """Indices of the outputs that depend on the inputs `sources` (a forward pass), or
+    that may be non-zero without them.
 
-    The engine feeds the cotangent of a gradient as an input: a gradient that
+    The engine feeds the cotangent of a gradient as an input (or, for a backward
+    pass traced alone, its inputs are the cotangents): a gradient that
     does not depend on it and is zero by construction (jax's zeros for an
     unused input: a literal 0 broadcast, cast or conjugated) is a structural
     zero. One that does not depend on it but may be non-zero is a real
@@ -126,7 +127,7 @@ def reached(closed: Any, source: int) -> set[int]:
     turn a `None` into a zero gradient, never the reverse.
     """
     jaxpr = _inner(closed)
-    tainted = _reach(jaxpr, {jaxpr.invars[source]})
+    tainted = _reach(jaxpr, {jaxpr.invars[i] for i in sources})
     zeros = _zeros(jaxpr, set())
     return {
         i

@@ -189,10 +189,6 @@ class Jitted:
         return f"<tg.jit of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
 
 
-_IS_FUNCTION: dict[type, bool] = {}
-C.MEMOS.append(_IS_FUNCTION)
-
-
 # The argument types seen that are not functions: checked for all arguments in C.
 _NOT_FUNCTIONS: set[type] = set()
 C.MEMOS.append(_NOT_FUNCTIONS)
@@ -201,12 +197,12 @@ C.MEMOS.append(_NOT_FUNCTIONS)
 def _is_function(a: Any) -> bool:
     """Whether an argument is a function (guarded and traced through, not static data)."""
     t = type(a)
-    r = _IS_FUNCTION.get(t)
-    if r is None:
-        r = _IS_FUNCTION[t] = issubclass(t, _FUNCTION_TYPES)
-        if not r:
-            _NOT_FUNCTIONS.add(t)
-    return r
+    if t in _NOT_FUNCTIONS:
+        return False
+    if issubclass(t, _FUNCTION_TYPES):
+        return True
+    _NOT_FUNCTIONS.add(t)
+    return False
 
 
 def _signature(fn: Any) -> inspect.Signature | None:

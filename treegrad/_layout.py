@@ -34,6 +34,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
+from ._jaxpr import is_tracer
+
 # --- keeping layouts (used by the engine, the optimiser and destructure) ---------------
 
 _SEVERAL: list[bool] = []
@@ -51,7 +53,7 @@ def several_devices() -> bool:
 
 def on_mesh(x: Any) -> NamedSharding | None:
     """The sharding of an array placed on a mesh (a tracer: its input's), else None."""
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return _KNOWN.get(id(x))
     s = getattr(x, "sharding", None)
     return s if type(s) is NamedSharding else None
@@ -59,7 +61,7 @@ def on_mesh(x: Any) -> NamedSharding | None:
 
 def placement_of(x: Any) -> NamedSharding | None:
     """The layout the engine keeps for `x`: a multi-device sharding on `Auto` axes, else None."""
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return _KNOWN.get(id(x))
     return _auto(getattr(x, "sharding", None))
 
@@ -164,7 +166,7 @@ def place_state(leaves: Sequence[Any], owners: Sequence[Any], params: Sequence[A
 
 
 def _put(x: Any, s: NamedSharding) -> Any:
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return _traced(x, s)
     if not isinstance(x, jax.Array) or x.sharding == s:
         return x

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._jaxpr import is_tracer
 from ._tree import path_str
 
 FORMAT = "treegrad-checkpoint"
@@ -157,7 +158,7 @@ def container_names(tree: Any) -> list[tuple[str, ...]]:
 
 
 def check_concrete(leaf: Any, path: str, api: str) -> None:
-    if isinstance(leaf, jax.core.Tracer):
+    if is_tracer(leaf):
         raise TypeError(
             f"{api}: '{display(path)}' is a traced array: {api} cannot run inside jax.jit, "
             "tg.jit, grad or vmap. Call it outside the compiled function, on its results."

@@ -11,58 +11,11 @@ is (`_guardcode.Guard`), and when the guard fails the step is traced again.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import types
 from collections.abc import Sequence
 from typing import Any
 
-from ._guard import _is_library
 from ._guardcode import Guard
-from ._walk import Walk
-
-# A rule is a tree of optax closures; a walk through more objects than this is
-# not a rule's (an object graph reached by accident): stop there.
-_MAX_VISITS = 10_000
-
-
-def user_functions(rules: Sequence[Any]) -> list[Any]:
-    """The functions (and callable objects) of the user's held by `rules`, through
-    optax's closures and objects, tuples (a `GradientTransformation`), lists, dicts
-    and partials."""
-    found: list[Any] = []
-    seen: set[int] = set()
-    todo: list[Any] = list(rules)
-    while todo and len(seen) < _MAX_VISITS:
-        x = todo.pop()
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        if type(x) is types.FunctionType:
-            if not _is_library(x):
-                found.append(x)  # walked by the guard, with what it reads
-                continue
-            for cell in x.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    todo.append(cell.cell_contents)
-            todo.extend(x.__defaults__ or ())
-        elif isinstance(x, functools.partial):
-            todo.append(x.func)
-            todo.extend(x.args)
-            todo.extend(x.keywords.values())
-        elif isinstance(x, (tuple, list)):
-            todo.extend(x)
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (type, types.ModuleType)) or x is None:
-            continue
-        elif not _is_library(type(x)):
-            if callable(x):
-                found.append(x)  # a callable object of the user's: guarded with its state
-        else:
-            # A library object (optax wraps a schedule in one): what it holds.
-            todo.extend(getattr(x, "__dict__", {}).values())
-    return found
+from ._walk import Walk, user_functions
 
 
 class RuleGuard:

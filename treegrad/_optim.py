@@ -24,6 +24,7 @@ import optax
 
 from . import _optstep
 from ._grads import Grads
+from ._jaxpr import is_tracer
 from ._layout import placements, several_devices, state_on_other_devices
 from ._optguard import RuleGuard, holder
 from ._optstate import _Config, build, holders
@@ -222,7 +223,7 @@ def _has_none(xs: list[Any]) -> bool:
 def _inputs(
     config: _Config, grads: list[Any], params: list[Any], donate: bool
 ) -> tuple[tuple[Any, ...], Any]:
-    tracing = bool(params) and isinstance(params[0], jax.core.Tracer)
+    tracing = bool(params) and is_tracer(params[0])
     if not _has_none(grads):
         return tuple(grads), config.present_all(tracing)
     missing = tuple(k for k, g in enumerate(grads) if g is None)
@@ -480,7 +481,7 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
 
 
 def _is_tracer_in(leaves: Sequence[Any]) -> bool:
-    return bool(leaves) and isinstance(leaves[0], jax.core.Tracer)
+    return bool(leaves) and is_tracer(leaves[0])
 
 
 __all__ = ["Leaf", "OptState", "setup", "update", "update_"]

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _guard as G
+from . import _jaxpr
+from ._jaxpr import is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
 from ._swap import Settle, Swap, Unsettled
@@ -261,7 +263,7 @@ def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
         return arrays, written
 
     arrays, vjp, written = jax.vjp(outputs, *[dyn[i] for i in active], has_aux=True)
-    entry.n_deps = len(arrays)
+    _note_fed_back(entry, vjp, arrays, active)
     placed = entry.placement
     fn = _back if placed is None else _placed_back(tuple(placed[i] for i in active))
     if entry.implicit and tuple(active) != tuple(entry.wrt):
@@ -270,6 +272,18 @@ def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
         fn = _spread(fn, tuple(entry.wrt.index(i) for i in active), len(entry.wrt))
     back = jax.tree_util.Partial(fn, vjp)
     return arrays, Packed(arrays, holder[0]), back, Written.of(written)
+
+
+def _note_fed_back(entry: Entry, vjp: Any, out: Any, active: Sequence[int]) -> None:
+    """Record the inputs the backward pass may give a non-zero cotangent (`Entry.fed_back`):
+    the others get None, as in a gradient (`_jaxpr.reached`). Read from the backward
+    pass, not from what the output depends on: a custom rule may pass a cotangent to
+    an input the value ignores (a straight-through estimator), and an input the value
+    depends on may get a structural zero (`jax.lax.stop_gradient`)."""
+    spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out)
+    closed = jax.make_jaxpr(vjp)(spec)
+    given = range(len(jax.tree_util.tree_leaves(spec)))
+    entry.fed_back = frozenset(active[k] for k in _jaxpr.reached(closed, given))
 
 
 def _back(vjp: Any, dy: Any) -> list[Any]:
@@ -334,14 +348,23 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
                 "jnp.real and jnp.imag of the input), or, for a holomorphic f, "
                 "jax.jacrev(f, holomorphic=True)."
             )
-        # A complex output of real inputs: dy/dx, complex, column by column (forward
-        # mode; jax.jacrev takes only real outputs).
-        jac = jax.jacfwd if complex_out else jax.jacrev
-        jacs, (y, written) = jac(y_of, argnums=tuple(range(len(active))), has_aux=True)(*xs)
-        if not jnp.iscomplexobj(y):
-            # A real output: each row is the gradient of one component, in
-            # tg.gradient's convention for complex inputs (steepest ascent).
-            jacs = tuple(map(conj, jacs))
+        if complex_out:
+            # A complex output of real inputs: dy/dx, complex, column by column
+            # (forward mode: a backward pass takes only real outputs).
+            jacs, (y, written) = jax.jacfwd(y_of, argnums=tuple(range(len(active))), has_aux=True)(
+                *xs
+            )
+            entry.fed_back = None  # which inputs are used: read from the forward pass
+        else:
+            # jax.jacrev's rows, one backward pass per output component, with the
+            # backward pass read as a pullback's is (`_note_fed_back`). Each row is
+            # the gradient of one component, in tg.gradient's convention for complex
+            # inputs (steepest ascent).
+            _, vjp, (y, written) = jax.vjp(y_of, *xs, has_aux=True)
+            _note_fed_back(entry, vjp, y, active)
+            basis = jnp.eye(y.size, dtype=y.dtype).reshape((y.size, *y.shape))
+            rows = jax.vmap(vjp)(basis)
+            jacs = tuple(conj(r).reshape(y.shape + x.shape) for r, x in zip(rows, xs, strict=True))
     else:
         _, (y, written) = y_of()
         jacs = ()
@@ -420,7 +443,7 @@ def cotangent() -> Any:
     if not _ONE:
         with jax.ensure_compile_time_eval():
             one = jnp.ones((), jnp.float32)
-        if isinstance(one, jax.core.Tracer):
+        if is_tracer(one):
             # Inside a trace that runs eagerly (an eager `jax.shard_map`): this
             # one belongs to that trace, so it is used for this call only.
             return one

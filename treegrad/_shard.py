@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
+from ._jaxpr import is_tracer
 from ._layout import _state_owners, _traced
 from ._tree import describe_leaf, path_str, unique_by_id
 
@@ -394,7 +395,7 @@ def shard(tree: Any, spec: Any, *, mesh: Mesh | None = None) -> Any:
 def _place(x: Any, s: Sharding) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return _traced(x, s)
     return jax.device_put(x, s)
 

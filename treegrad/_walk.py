@@ -12,13 +12,14 @@ guard.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -559,8 +560,10 @@ def _user_callable(fn: Any) -> bool:
 
 
 def static_callables(treedef: Any) -> list[Any]:
-    """The callables held as static data by the Modules of a tree's structure."""
+    """The callables held as static data by the Modules of a tree's structure, and by
+    the rules of an optimiser state in it."""
     from ._module import _Static
+    from ._optstate import _Config
 
     out: list[Any] = []
     stack = [treedef]
@@ -569,8 +572,55 @@ def static_callables(treedef: Any) -> list[Any]:
         data = td.node_data()
         if data is not None and isinstance(data[1], _Static):
             out.extend(v for _, v in data[1].items if callable(v) and not isinstance(v, type))
+        elif data is not None and isinstance(data[1], _Config):
+            # An optimiser state: a schedule or mask function of the user's in its rules.
+            out.extend(user_functions([part.rule for part in data[1].parts]))
         stack.extend(td.children())
     return out
+
+
+# A rule is a tree of optax closures; a walk through more objects than this is
+# not a rule's (an object graph reached by accident): stop there.
+_MAX_VISITS = 10_000
+
+
+def user_functions(rules: Sequence[Any]) -> list[Any]:
+    """The functions (and callable objects) of the user's held by `rules`, through
+    optax's closures and objects, tuples (a `GradientTransformation`), lists, dicts
+    and partials."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    todo: list[Any] = list(rules)
+    while todo and len(seen) < _MAX_VISITS:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if type(x) is types.FunctionType:
+            if not _is_library(x):
+                found.append(x)  # walked by the guard, with what it reads
+                continue
+            for cell in x.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    todo.append(cell.cell_contents)
+            todo.extend(x.__defaults__ or ())
+        elif isinstance(x, functools.partial):
+            todo.append(x.func)
+            todo.extend(x.args)
+            todo.extend(x.keywords.values())
+        elif isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (type, types.ModuleType)) or x is None:
+            continue
+        elif not _is_library(type(x)):
+            if _user_callable(x):
+                found.append(x)  # a callable object of the user's: guarded with its state
+        else:
+            # A library object (optax wraps a schedule in one): what it holds.
+            todo.extend(getattr(x, "__dict__", {}).values())
+    return found
 
 
 def node_types(treedef: Any) -> Iterator[type]:
