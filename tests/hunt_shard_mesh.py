@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treegrad as tg
@@ -202,6 +202,37 @@ def grads_every_style_on_2x4_with_int_and_bool_leaves():
         assert g["net"].act is jnp.tanh and g["net"].tag == "net", style
         close(g["net"], ref)
         assert_layouts(g["net"], model["net"])
+
+
+@slow_check
+def pullback_and_jacobian_on_explicit_axes_and_in_shard_map():
+    # The backward pass read for which inputs get None is traced with the outputs'
+    # own types (explicit placement, shard_map's varying axes), and the Jacobian's
+    # unit cotangents are placed as jax.jacrev places them.
+    f = lambda w: jnp.sin(w) * w
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.arange(16.0) / 7, NamedSharding(mesh, P("data")))
+        y, back = tg.pullback(f, w)
+        dy = jnp.ones_like(y) * 0.5
+        close(back(dy)[0], jax.vjp(f, w)[1](dy)[0])
+        assert back(dy)[0].sharding.spec == P("data")
+        close(tg.jacobian(f, w)[0], jax.jacrev(f)(w))
+        close(jax.jit(lambda v: tg.jacobian(f, v)[0])(w), jax.jacrev(f)(w))
+
+    auto = mesh1()
+
+    def ours(w):
+        y, back = tg.pullback(f, w)
+        return back(jnp.ones_like(y))[0], tg.jacobian(f, w)[0].sum(0)
+
+    def theirs(w):
+        y, back = jax.vjp(f, w)
+        return back(jnp.ones_like(y))[0], jax.jacrev(f)(w).sum(0)
+
+    spec = {"mesh": auto, "in_specs": P("data"), "out_specs": (P("data"), P("data"))}
+    w = jnp.arange(16.0) / 7
+    close(jax.shard_map(ours, **spec)(w), jax.shard_map(theirs, **spec)(w))
 
 
 # --- the optimiser -----------------------------------------------------------------------

@@ -454,7 +454,7 @@ def test_on_eight_devices(fast_results, name):
     _passes(fast_results, name)
 
 
-# 1-9 s each on a busy 2-core machine (7 checks, ~16 s of CPU in one subprocess): CI's slow run.
+# 1-9 s each on a busy 2-core machine (8 checks, ~19 s of CPU in one subprocess): CI's slow run.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SLOW))
 def test_on_eight_devices_slow(slow_results, name):

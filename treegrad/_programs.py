@@ -280,9 +280,10 @@ def _note_fed_back(entry: Entry, vjp: Any, out: Any, active: Sequence[int]) -> N
     pass, not from what the output depends on: a custom rule may pass a cotangent to
     an input the value ignores (a straight-through estimator), and an input the value
     depends on may get a structural zero (`jax.lax.stop_gradient`)."""
-    spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out)
-    closed = jax.make_jaxpr(vjp)(spec)
-    given = range(len(jax.tree_util.tree_leaves(spec)))
+    # Traced with the outputs themselves as the cotangents: the same types, placement
+    # (explicit mesh axes, shard_map's varying axes) included.
+    closed = jax.make_jaxpr(vjp)(out)
+    given = range(len(jax.tree_util.tree_leaves(out)))
     entry.fed_back = frozenset(active[k] for k in _jaxpr.reached(closed, given))
 
 
@@ -357,14 +358,17 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             entry.fed_back = None  # which inputs are used: read from the forward pass
         else:
             # jax.jacrev's rows, one backward pass per output component, with the
-            # backward pass read as a pullback's is (`_note_fed_back`). Each row is
-            # the gradient of one component, in tg.gradient's convention for complex
-            # inputs (steepest ascent).
+            # backward pass read as a pullback's is (`_note_fed_back`). The unit
+            # cotangents are the Jacobian of the identity (jax places them as the
+            # output is placed); one vmap per output axis gives y.shape + x.shape.
+            # Each row is the gradient of one component, in tg.gradient's convention
+            # for complex inputs (steepest ascent).
             _, vjp, (y, written) = jax.vjp(y_of, *xs, has_aux=True)
             _note_fed_back(entry, vjp, y, active)
-            basis = jnp.eye(y.size, dtype=y.dtype).reshape((y.size, *y.shape))
-            rows = jax.vmap(vjp)(basis)
-            jacs = tuple(conj(r).reshape(y.shape + x.shape) for r, x in zip(rows, xs, strict=True))
+            rows = vjp
+            for _ in range(y.ndim):
+                rows = jax.vmap(rows)
+            jacs = tuple(map(conj, rows(jax.jacrev(lambda t: t)(y))))
     else:
         _, (y, written) = y_of()
         jacs = ()
