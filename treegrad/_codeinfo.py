@@ -49,13 +49,13 @@ class _CodeInfo:
                 name = op.opname
                 if name in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
                     names[op.argval] = None
-                    if op.argval in _BY_NAME and not _constant_name(ins, i + 1):
+                    if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
                         dynamic = True
                     dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
                 elif name in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR", "DELETE_ATTR"):
                     attrs.add(op.argval)
                     reads.add(op.argval)
-                    if op.argval in _BY_NAME and not _constant_name(ins, i + 1):
+                    if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
                         dynamic = True
                     dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
                 elif name == "STORE_ATTR":
@@ -102,15 +102,39 @@ _READS_EVERY_ATTRIBUTE = frozenset(
 _CONSTRUCTORS = frozenset({"__init__", "__new__", "__post_init__", "__setstate__"})
 
 
-def _constant_name(ins: list[dis.Instruction], i: int) -> bool:
-    """Whether the call starting after instruction `i - 1` (getattr and the like) passes
-    a string constant as the name: an object loaded by name and attributes, then it."""
-    while i < len(ins) and ins[i].opname in _OBJECT_LOADS:
+def _constant_name(ins: list[dis.Instruction], i: int, fn: str) -> bool:
+    """Whether the call starting at instruction `i` (of getattr and the like) passes a
+    string constant as the name: `getattr(obj.a, "name")`, `attrgetter("a", "b")`.
+
+    The object is one expression (a name and its attributes; none for attrgetter
+    and methodcaller); the name is the constant right after it, followed by the call
+    or by one plain default value and the call. Anything else (`getattr(obj,
+    cfg["n"])`: a second name loaded, the constant a subscript's key) is not a
+    constant name, and every attribute may be read.
+    """
+    objects = 0 if fn in ("attrgetter", "methodcaller") else 1
+    starts = 0
+    while i < len(ins) and (ins[i].opname in _VALUE_LOADS or ins[i].opname in _CONTINUES):
+        starts += ins[i].opname in _VALUE_LOADS
         i += 1
+    if starts != objects or not _is_name_constant(ins, i):
+        return False
+    while _is_name_constant(ins, i):  # attrgetter("a", "b")
+        i += 1
+    if i < len(ins) and ins[i].opname in _CALLS:
+        return True
+    # getattr(obj, "name", default), the default a constant or a plain name
+    plain = i < len(ins) and (ins[i].opname == "LOAD_CONST" or ins[i].opname in _VALUE_LOADS)
+    return plain and i + 1 < len(ins) and ins[i + 1].opname in _CALLS
+
+
+def _is_name_constant(ins: list[dis.Instruction], i: int) -> bool:
     return i < len(ins) and ins[i].opname == "LOAD_CONST" and isinstance(ins[i].argval, str)
 
 
-_OBJECT_LOADS = frozenset(
+# Instructions that load a value (the start of an argument), and those that go on
+# with the value loaded (an attribute of it) or load nothing.
+_VALUE_LOADS = frozenset(
     {
         "LOAD_FAST",
         "LOAD_FAST_CHECK",
@@ -120,13 +144,10 @@ _OBJECT_LOADS = frozenset(
         "LOAD_CLASSDEREF",
         "LOAD_GLOBAL",
         "LOAD_NAME",
-        "LOAD_ATTR",
-        "PUSH_NULL",
-        "EXTENDED_ARG",
-        "COPY_FREE_VARS",
-        "NOP",
     }
 )
+_CONTINUES = frozenset({"LOAD_ATTR", "PUSH_NULL", "EXTENDED_ARG", "COPY_FREE_VARS", "NOP"})
+_CALLS = frozenset({"CALL", "PRECALL", "KW_NAMES", "CALL_KW"})
 
 
 _CODE_INFO: dict[types.CodeType, _CodeInfo] = {}

@@ -321,14 +321,18 @@ class Params:
 
 
 def _scan(source: Any, leaves: list[Any], treedef: Any) -> tuple[Any, list[int], list[Any]]:
-    position = {id(leaf): i for i, leaf in reversed(list(enumerate(leaves)))}
+    # Every place of a trainable array, a tied one's places each: a tie can be broken
+    # by assignment without changing the structure, and then both arrays are
+    # parameters (`_read_source` de-duplicates the ties of the moment).
+    first = {id(leaf): i for i, leaf in reversed(list(enumerate(leaves)))}
+    by_path = {
+        tuple(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(source)[0])
+    }
     index: list[int] = []
     paths: list[tuple[Any, ...]] = []
-    seen: set[int] = set()
     for path, leaf in trainable_leaves_with_path(source):
-        if is_differentiable(leaf) and id(leaf) not in seen:
-            seen.add(id(leaf))
-            index.append(position[id(leaf)])
+        if is_differentiable(leaf):
+            index.append(by_path.get(tuple(path), first[id(leaf)]))
             paths.append(path)
     return treedef, index, paths
 

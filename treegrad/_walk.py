@@ -16,6 +16,7 @@ import contextlib
 import enum
 import functools
 import inspect
+import operator
 import sys
 import threading
 import types
@@ -304,6 +305,7 @@ class Walk:
             method.func = self.node(value.__func__, path)
             return method
         if isinstance(value, functools.partial):
+            self._reads_by_name(value)
             part = self._memo(value, Partial(t, Unchecked(), Unchecked(), Unchecked()))
             part.func = self.node(value.func, f"{path}.func")
             part.args = self.node(value.args, f"{path}.args")
@@ -367,6 +369,7 @@ class Walk:
             return self._object(value, path)
         if _is_library(t) and t is not types.SimpleNamespace:
             self._library(value)
+            self._reads_by_name(value)
             wrapped = getattr(value, "__wrapped__", None) if callable(value) else None
             if type(wrapped) is types.FunctionType:
                 # A library wrapper of a user function (functools.lru_cache): what the
@@ -462,6 +465,16 @@ class Walk:
                         p.node.slots.append((name, self.node(v, f"{p.path}.{name}")))
         return changed
 
+    def _reads_by_name(self, value: Any) -> None:
+        """A callable that reads attributes by the names it holds, not by names in
+        code (`operator.attrgetter("s")`, `functools.partial(getattr, obj, "s")`):
+        those names are read; every attribute may be, when they are not known."""
+        names = _names_read_by(value)
+        if names is None:
+            self.dynamic = True
+        else:
+            self.read_names.update(part for name in names for part in name.split("."))
+
     def _holder(self, value: Any, kind: str, path: str) -> Node:
         """A weak reference, weak proxy or ContextVar: what it holds, read through it."""
         inner = deref(kind, value)
@@ -545,6 +558,23 @@ def _find_slot_names(t: type) -> tuple[str, ...]:
             slots = (slots,)
         names.extend(s for s in slots if s not in ("__dict__", "__weakref__", "_tg_aux"))
     return tuple(dict.fromkeys(names))
+
+
+_BY_NAME_BUILTINS = (getattr, hasattr, setattr, delattr)
+
+
+def _names_read_by(value: Any) -> tuple[str, ...] | None:
+    """The attribute names `value` reads when called, where it holds them: () for a
+    callable that holds none, None when they are not known."""
+    if isinstance(value, (operator.attrgetter, operator.methodcaller)):
+        held: Any = value.__reduce__()  # (type, args), or (partial(type, name), args)
+        args = held[1] if isinstance(held[0], type) else held[0].args
+        names = args if isinstance(value, operator.attrgetter) else args[:1]
+        return tuple(names) if all(isinstance(n, str) for n in names) else None
+    if isinstance(value, functools.partial) and any(value.func is f for f in _BY_NAME_BUILTINS):
+        name = value.args[1] if len(value.args) > 1 else None
+        return (name,) if isinstance(name, str) else None
+    return ()
 
 
 def _user_callable(fn: Any) -> bool:
