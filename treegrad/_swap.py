@@ -316,16 +316,16 @@ class Settle:
                 self.demoted = True
         known = {key for key, _ in items}.union(skipped)
         for key in [k for k in d if k not in known]:
-            out.append((key, self._added(d[key], functools.partial(d.pop, key, None))))
+            added = self._added(d[key], functools.partial(d.pop, key, None))
+            if key in d:  # else removed again: a traced value (`_added`)
+                out.append((key, added))
         return out
 
     def _entry(self, node: Node, value: Any, put: Callable[[Any, Any], Any], key: Any) -> Node:
         """`self.node` for an entry of a dict or object; a number or library object there
         that the function replaced by a value computed from traced arrays (a lazy
         `self.cache = f(self.w)`) is put back, so no tracer stays in the user's object."""
-        if isinstance(node, (Const, Same)) and any(
-            map(is_tracer, jax.tree_util.tree_leaves(value))
-        ):
+        if isinstance(node, (Const, Same)) and _holds_tracer(value):
             put(key, node.value if isinstance(node, Const) else node.get())
             self.cacheable = False  # traced again each call; the places stay where they were
             return node
@@ -333,8 +333,7 @@ class Settle:
 
     def _added(self, value: Any, remove: Callable[[], Any]) -> Node:
         """An entry the function added to a dict or object while traced."""
-        leaves = jax.tree_util.tree_leaves(value)
-        if any(map(is_tracer, leaves)):
+        if _holds_tracer(value):
             # A value computed from the traced arrays (a cache filled on first use):
             # left there it would be a tracer in the user's object after the call.
             # Removed, it is computed again when next read, as a fresh cache is; the
@@ -342,7 +341,7 @@ class Settle:
             remove()
             self.cacheable = False
             return Unchecked()
-        if any(map(is_array, leaves)):
+        if any(map(is_array, jax.tree_util.tree_leaves(value))):
             raise Unsettled
         self.demoted = True
         return Unchecked()
@@ -384,6 +383,12 @@ class Settle:
                 raise Unsettled
             return node
         if isinstance(node, Seq):
+            n = len(node.items)
+            if type(v) is list and len(v) > n and any(map(_holds_tracer, v[n:])):
+                # Values computed from the traced arrays appended while traced (a log):
+                # removed, as a cache filled on first use is (`_added`).
+                del v[n:]
+                self.cacheable = False
             if type(v) is not node.type or len(v) != len(node.items):
                 return self._demote(node, v)
             node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
@@ -409,29 +414,35 @@ class Settle:
                 except ValueError:
                     value = MISSING
                 if cell_node is None:
+                    if value is not MISSING and _holds_tracer(value):
+                        del cell.cell_contents  # assigned a traced value: empty again
+                        self.cacheable = False
+                        value = MISSING
                     cells.append(None if value is MISSING else self._demote(Unchecked(), value))
                 elif value is MISSING:
                     cells.append(self._demote(cell_node, value))
                 else:
-                    cells.append(self.node(cell_node, value))
+                    put = functools.partial(_put_cell, cell)
+                    cells.append(self._entry(cell_node, value, put, None))
             node.cells = cells
             g = v.__globals__
             names: list[tuple[str, Node | None]] = []
             for name, global_node in node.globals:
+                # A global the function assigned a traced value (`global G; G = loss`):
+                # put back, or removed if it was new, as an object's attribute is.
                 value = g.get(name, MISSING)
                 if global_node is None:
+                    if value is not MISSING and _holds_tracer(value):
+                        del g[name]
+                        self.cacheable = False
+                        value = MISSING
                     names.append(
                         (name, None if value is MISSING else self._demote(Unchecked(), value))
                     )
+                elif value is MISSING:
+                    names.append((name, self._demote(global_node, value)))
                 else:
-                    names.append(
-                        (
-                            name,
-                            self._demote(global_node, value)
-                            if value is MISSING
-                            else self.node(global_node, value),
-                        )
-                    )
+                    names.append((name, self._entry(global_node, value, g.__setitem__, name)))
             node.globals = names
             if node.defaults is not None:
                 node.defaults = self.node(node.defaults, v.__defaults__)
@@ -550,3 +561,15 @@ def holders(nodes: list[Node], places: set[int]) -> set[int]:
     for node in nodes:
         visit(node)
     return out
+
+
+def _holds_tracer(value: Any) -> bool:
+    """Whether `value` holds a traced array (one the function computed while traced)."""
+    try:
+        return is_tracer(value) or any(map(is_tracer, jax.tree_util.tree_leaves(value)))
+    except Exception:  # an object whose __getattribute__ answers every name its own way
+        return False
+
+
+def _put_cell(cell: Any, _key: Any, value: Any) -> None:
+    cell.cell_contents = value
