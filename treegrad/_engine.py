@@ -275,8 +275,8 @@ class Entry:
                 # is a structural zero: its input is unused.
                 reached = _jaxpr.reached(closed, [len(dyn)])
                 deps: Collection[int] = {p for k, p in enumerate(self.grad_order()) if k in reached}
-            elif self.fed_back is not None:  # a pullback's or Jacobian's backward pass
-                deps = self.fed_back
+            elif self.live is not None:  # read from a pullback's or Jacobian's derivative
+                deps = self.live
             else:
                 deps = _jaxpr.dependencies(closed, range(self.n_deps))
             live = tuple(i for i in self.active if i in deps)
@@ -301,10 +301,9 @@ class Entry:
         )
 
     # Set by the program while tracing: how many of its first outputs the inputs'
-    # use is read from, or (a backward pass) the inputs it may give a non-zero
-    # cotangent.
+    # use is read from, or (`live`) the inputs whose derivative may be non-zero.
     n_deps = 0
-    fed_back: frozenset[int] | None = None
+    live: frozenset[int] | None = None
 
     def _extra(self) -> tuple[Any, ...]:
         return (cotangent(),) if self.program == GRAD else ()

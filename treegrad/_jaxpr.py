@@ -16,7 +16,8 @@ upgrade changes them. They hold on jax 0.10 to 0.12: from 0.11 on,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +41,17 @@ def n_inputs(closed: Any) -> int:
     """How many inputs a traced jaxpr takes: more than the function was given when jax
     made inputs of traced values the function read from elsewhere."""
     return len(_inner(closed).invars)
+
+
+def as_function(closed: Any) -> tuple[Callable[..., list[Any]], list[Any]]:
+    """A traced function as `(run, consts)`: `run(consts, *args)` evaluates it with its
+    constants given, so they can be a compiled program's outputs (a backward pass's
+    residuals, and what its rules read) and the function run by another program."""
+    return functools.partial(_evaluate, _inner(closed)), _consts(closed)
+
+
+def _evaluate(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
+    return jax.core.eval_jaxpr(jaxpr, consts, *args)
 
 
 def _consts(closed: Any) -> list[Any]:

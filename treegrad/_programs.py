@@ -263,35 +263,41 @@ def _pullback_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
         return arrays, written
 
     arrays, vjp, written = jax.vjp(outputs, *[dyn[i] for i in active], has_aux=True)
-    _note_fed_back(entry, vjp, arrays, active)
+    # The backward pass traced here, while the function's captured values are in
+    # place (a custom rule's global read where it is swapped for this program's
+    # input), and returned as its constants: `back` runs it from them, fresh for
+    # every call of this program.
+    closed = _backward(entry, vjp, arrays, active)
+    run, consts = _jaxpr.as_function(closed)
     placed = entry.placement
     fn = _back if placed is None else _placed_back(tuple(placed[i] for i in active))
     if entry.implicit and tuple(active) != tuple(entry.wrt):
         # Implicit mode gives one gradient per captured parameter (`wrt`), as the
         # other programs do: None for one the output does not depend on.
         fn = _spread(fn, tuple(entry.wrt.index(i) for i in active), len(entry.wrt))
-    back = jax.tree_util.Partial(fn, vjp)
+    back = jax.tree_util.Partial(fn, jax.tree_util.Partial(run, consts))
     return arrays, Packed(arrays, holder[0]), back, Written.of(written)
 
 
-def _note_fed_back(entry: Entry, vjp: Any, out: Any, active: Sequence[int]) -> None:
-    """Record the inputs the backward pass may give a non-zero cotangent (`Entry.fed_back`):
-    the others get None, as in a gradient (`_jaxpr.reached`). Read from the backward
-    pass, not from what the output depends on: a custom rule may pass a cotangent to
-    an input the value ignores (a straight-through estimator), and an input the value
-    depends on may get a structural zero (`jax.lax.stop_gradient`)."""
-    # Traced with the outputs themselves as the cotangents: the same types, placement
-    # (explicit mesh axes, shard_map's varying axes) included.
+def _backward(entry: Entry, vjp: Any, out: Any, active: Sequence[int]) -> Any:
+    """The backward pass, traced; records the inputs it may give a non-zero cotangent
+    (`Entry.live`): the others get None, as in a gradient (`_jaxpr.reached`). Read
+    from the backward pass, not from what the output depends on: a custom rule may
+    pass a cotangent to an input the value ignores (a straight-through estimator),
+    and an input the value depends on may get a structural zero (`stop_gradient`).
+    Traced with the outputs themselves as the cotangents: the same types, placement
+    (explicit mesh axes, shard_map's varying axes) included."""
     closed = jax.make_jaxpr(vjp)(out)
     given = range(len(jax.tree_util.tree_leaves(out)))
-    entry.fed_back = frozenset(active[k] for k in _jaxpr.reached(closed, given))
+    entry.live = frozenset(active[k] for k in _jaxpr.reached(closed, given))
+    return closed
 
 
 def _back(vjp: Any, dy: Any) -> list[Any]:
     # `dy` is in treegrad's convention (steepest ascent, the conjugate of jax's) and
     # so are the results: conjugated on the way in and out, so that back(dy) of a
     # complex output chains like tg.gradient of the composition.
-    return [conj(g) for g in vjp(jax.tree_util.tree_map(conj, dy))]
+    return [conj(g) for g in vjp(*map(conj, jax.tree_util.tree_leaves(dy)))]
 
 
 @functools.lru_cache(maxsize=64)
@@ -351,20 +357,23 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             )
         if complex_out:
             # A complex output of real inputs: dy/dx, complex, column by column
-            # (forward mode: a backward pass takes only real outputs).
-            jacs, (y, written) = jax.jacfwd(y_of, argnums=tuple(range(len(active))), has_aux=True)(
-                *xs
-            )
-            entry.fed_back = None  # which inputs are used: read from the forward pass
+            # (forward mode: a backward pass takes only real outputs). Which inputs
+            # get None: those the linearised function's output does not depend on.
+            jacs, (y, written) = jax.jacfwd(
+                y_of, argnums=tuple(range(len(active))), has_aux=True
+            )(*xs)
+            _, tangent = jax.linearize(lambda *a: y_of(*a)[0], *xs)
+            closed = jax.make_jaxpr(tangent)(*xs)
+            entry.live = frozenset(active[k] for k in _jaxpr.dependencies(closed, [0]))
         else:
             # jax.jacrev's rows, one backward pass per output component, with the
-            # backward pass read as a pullback's is (`_note_fed_back`). The unit
+            # backward pass read as a pullback's is (`_backward`). The unit
             # cotangents are the Jacobian of the identity (jax places them as the
             # output is placed); one vmap per output axis gives y.shape + x.shape.
             # Each row is the gradient of one component, in tg.gradient's convention
             # for complex inputs (steepest ascent).
             _, vjp, (y, written) = jax.vjp(y_of, *xs, has_aux=True)
-            _note_fed_back(entry, vjp, y, active)
+            _backward(entry, vjp, y, active)
             rows = vjp
             for _ in range(y.ndim):
                 rows = jax.vmap(rows)

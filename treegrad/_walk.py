@@ -375,6 +375,12 @@ class Walk:
                 # A library wrapper of a user function (functools.lru_cache): what the
                 # function reads is guarded as a root of its own.
                 self.fixed(wrapped)
+            if callable(value):
+                # The user's functions it holds (jax.custom_vjp's fwd and bwd rules,
+                # custom_jvp's jvp): what they read is guarded too.
+                for held in getattr(value, "__dict__", {}).values():
+                    if type(held) is types.FunctionType:
+                        self.fixed(held)
             return Same(value)
         if hasattr(value, "__dict__") or _slot_names(t):
             return self._object(value, path)
