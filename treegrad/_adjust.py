@@ -14,6 +14,7 @@ import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 
+from ._jaxpr import is_tracer
 from ._optstate import _Config, own_part, split_leaves, with_frozen
 from ._optview import Leaf, OptState, SubState, rule_name
 
@@ -59,6 +60,15 @@ def _cast(name: str, value: Any, old: Any, api: str) -> Any:
         raise TypeError(f"{api}: {name} is {jnp.asarray(old).dtype} in the rule, got {new.dtype}.")
     dtype = jnp.asarray(old).dtype
     cast = new.astype(dtype)
+    if not jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(new.dtype, jnp.integer):
+        return cast  # a float into a float rule (a traced one too), an int into an int
+    if is_tracer(new):
+        raise TypeError(
+            f"{api}: {name} is a traced {new.dtype} value, and the rule's {name} is "
+            f"{dtype} (the rule was built with an integer, e.g. {name}=1): whether the "
+            f"value is a whole number cannot be checked inside a trace. Build the rule "
+            f"with a float ({name}=1.0), or pass an integer array."
+        )
     if not bool(jnp.all(cast == new)):
         # Never truncate: learning_rate=0.5 into an int32 would become 0 and stop training.
         raise TypeError(
