@@ -188,6 +188,7 @@ def test_a_fresh_model_of_the_same_layout_takes_jax_path_then_agrees():
 # --- the paths built on Shape, end to end ------------------------------------------------
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("edit", _edits(), ids=lambda f: f.__name__)
 def test_gradient_after_each_edit_matches_jax(edit):
     m = _model()

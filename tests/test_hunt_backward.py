@@ -154,6 +154,7 @@ def test_pullback_matches_vjp(name):
         same_or_none(g2, r2)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_jacobian_matches_jacrev(name):
     f = CASES[name]
@@ -164,6 +165,7 @@ def test_jacobian_matches_jacrev(name):
     assert tuple(g is None for g in got) == EXPECT_NONE.get(name, (False, False))
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gradient_matches_grad(name):
     f = CASES[name]
@@ -216,6 +218,7 @@ def test_hessian_custom_jvp_ignored_value():
     close(hx, 0.0)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("wrap", [lambda f: f, jax.jit])
 def test_hessian_custom_rules_vs_jax(wrap):
     # value ignores y; the rules give y a derivative that depends on y
@@ -226,6 +229,7 @@ def test_hessian_custom_rules_vs_jax(wrap):
             same_or_none(got[k], jax.hessian(f, argnums=k)(X, Y))
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 def test_hessian_tree_int_and_tied_leaves():
     def f(d):
         return jnp.sum(d["a"] ** 3 * d["n"]) + jnp.sum(d["b"] * d["a"])
@@ -298,6 +302,7 @@ def test_integer_input_and_int_bool_outputs():
         tg.jacobian(lambda a: a > 1, X)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
 def test_low_precision(dt):
     x = X.astype(dt)
@@ -413,6 +418,7 @@ def test_back_through_jit_and_vmap():
     close(Jj[1], jnp.diag(X))
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 def test_grad_around_pullback_and_jacobian():
     def outer(x, y):
         return jnp.sum(tg.pullback(lambda a, b: jnp.sum(a * b**2), x, y)[1](1.0)[1])

@@ -740,6 +740,7 @@ def test_keyword_only_arguments_and_kwargs():
         tg.gradient(loss, model, scale=3.0)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 def test_same_function_object_with_different_shapes_and_dtypes():
     def f(w):
         return jnp.sum(jnp.tanh(w) ** 2)

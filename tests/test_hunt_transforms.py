@@ -685,6 +685,7 @@ def test_maml_through_update_in_place_and_a_none_gradient():
 # ================================================================ traced, then concrete
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 def test_same_code_traced_then_concrete_never_leaks_a_tracer():
     def g_of(s):
         return tg.gradient(lambda w: f(w, s), W)[0]

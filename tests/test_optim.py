@@ -142,7 +142,12 @@ def run_implicit(make_rule, steps=10):
     return model, state, traces
 
 
-@pytest.mark.parametrize("style", [run_explicit, run_implicit], ids=["explicit", "implicit"])
+@pytest.mark.parametrize(
+    "style",
+    # The implicit half in the slow run (CI): the default run stays under 3 minutes.
+    [run_explicit, pytest.param(run_implicit, marks=pytest.mark.slow)],
+    ids=["explicit", "implicit"],
+)
 @pytest.mark.parametrize("name", list(RULES))
 def test_rule_table_equals_plain_optax_with_none_steps(name, style):
     ref_params, ref_state = run_reference(RULES[name])
