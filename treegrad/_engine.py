@@ -75,16 +75,7 @@ class Entry:
         # tg.jit: values of static arguments (by position or name), output shardings.
         self.statics = statics or {}
         self.out_shardings = out_shardings
-        walk = Walk()
-        self.nodes = [walk.root(r) for r in call.roots]
-        for cls in node_types(call.a_def):
-            if not G._is_library(cls):
-                walk._absolute(cls)
-        for s in call.a_statics or ():
-            walk.fixed(s)
-        for fn in static_callables(call.a_def):
-            walk.fixed(fn)
-        self.absolute = walk.finish(self.nodes)
+        walk, self.nodes, self.absolute = _walk(call)
         self.names = walk.names
         self.n_places = walk.places
         self.guard = Guard(self.nodes, self.absolute)
@@ -473,6 +464,22 @@ class Entry:
                 leaf += 1
             groups.append(tuple(pos))
         return tuple(groups)
+
+
+def _walk(call: Call) -> tuple[Walk, list[Any], list[Any]]:
+    """A new entry's first step: walk what the call reads (its function, the classes of
+    its arguments' structure, their static values and callables), numbering the array
+    places. Returns the walk and the guard's root and absolute nodes."""
+    walk = Walk()
+    roots = [walk.root(r) for r in call.roots]
+    for cls in node_types(call.a_def):
+        if not G._is_library(cls):
+            walk._absolute(cls)
+    for s in call.a_statics or ():
+        walk.fixed(s)
+    for fn in static_callables(call.a_def):
+        walk.fixed(fn)
+    return walk, roots, walk.finish(roots)
 
 
 def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:
