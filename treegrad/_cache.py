@@ -16,12 +16,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from . import _guard as G
 from . import _optguard
 from ._call import _GROUPS, Call, root_keys, uniq_in_groups
 from ._engine import Entry
 from ._fasttree import Shape
-from ._outputs import shared_nodes
+from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
 from ._tree import user_stacklevel
 from ._walk import _SLOT_NAMES, describe
@@ -166,6 +168,21 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
         return
     _WARNED.add(code)
     what = ", ".join(entry.hidden[:5])
+    holder = next((x for x in entry.a_statics or () if _holds_arrays(x)), None)
+    if holder is not None:
+        # The arrays come in through an argument that is not a pytree: a leaf of its own,
+        # so no gradient either (the classic silent None); say which and how to fix it.
+        name = type(holder).__name__
+        warnings.warn(
+            f"{entry.api}: an argument of {describe(f)} is a {name}, which is not a pytree: "
+            f"it is one leaf, not differentiated (its gradient is None), and the arrays it "
+            f"holds ({what}) are constants, so the function is re-traced on every call. Make "
+            f"{name} a tg.Module, or register it as a pytree (jax.tree_util.register_dataclass "
+            "for a dataclass), to differentiate its arrays; or pass them in a dict.",
+            RetraceWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return
     warnings.warn(
         f"treegrad cannot cache {describe(f)}: it captures {len(entry.hidden)} array(s) "
         f"({what}) through objects it cannot see into, so it is re-traced on every call to "
@@ -174,6 +191,18 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
         RetraceWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+def _holds_arrays(x: Any) -> bool:
+    """Whether a plain object (a static leaf of the arguments) holds arrays directly."""
+    if x is DYN or isinstance(x, (type, types.FunctionType, str, bytes, int, float, complex)):
+        return False
+    try:
+        values = list(vars(x).values())
+    except TypeError:  # no __dict__: a dataclass with slots, or a builtin value
+        fields = getattr(type(x), "__dataclass_fields__", None) or {}
+        values = [getattr(x, name, None) for name in fields]
+    return any(isinstance(v, jax.Array) for v in values)
 
 
 def clear_cache() -> None:

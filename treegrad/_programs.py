@@ -359,9 +359,9 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             # A complex output of real inputs: dy/dx, complex, column by column
             # (forward mode: a backward pass takes only real outputs). Which inputs
             # get None: those the linearised function's output does not depend on.
-            jacs, (y, written) = jax.jacfwd(
-                y_of, argnums=tuple(range(len(active))), has_aux=True
-            )(*xs)
+            jacs, (y, written) = jax.jacfwd(y_of, argnums=tuple(range(len(active))), has_aux=True)(
+                *xs
+            )
             _, tangent = jax.linearize(lambda *a: y_of(*a)[0], *xs)
             closed = jax.make_jaxpr(tangent)(*xs)
             entry.live = frozenset(active[k] for k in _jaxpr.dependencies(closed, [0]))
