@@ -494,12 +494,12 @@ class WriteBack(CodeGen):
             expr: str = v or ""
             obj = value
             for k in key[:-1]:
-                step = _step(obj, k)
+                step = _step(obj, k, self)
                 if step is None:
                     self.ok = False
                     return
                 expr, obj = f"{expr}{step}", _get(obj, k)
-            setter = _set(obj, key[-1], expr, self._val(c))
+            setter = _set(obj, key[-1], expr, self._val(c), self)
             if setter is None:
                 self.ok = False
                 return
@@ -519,18 +519,18 @@ def _get(obj: Any, key: Any) -> Any:
     return obj[key.key]
 
 
-def _step(obj: Any, key: Any) -> str | None:
+def _step(obj: Any, key: Any, gen: CodeGen) -> str | None:
     """Python reading child `key` of `obj`, or None when it is not addressable."""
     if isinstance(key, jax.tree_util.GetAttrKey):
         return f".{key.name}"
     if isinstance(key, jax.tree_util.SequenceKey):
         return f"[{key.idx}]"
     if isinstance(key, jax.tree_util.DictKey) and isinstance(obj, dict):
-        return f"[{key.key!r}]"
+        return f"[{_dict_key(key.key, gen)}]"
     return None
 
 
-def _set(obj: Any, key: Any, expr: str, val: str) -> str | None:
+def _set(obj: Any, key: Any, expr: str, val: str, gen: CodeGen) -> str | None:
     """Python rebinding child `key` of `obj` (read as `expr`) in place, or None."""
     from ._module import Module
 
@@ -543,8 +543,14 @@ def _set(obj: Any, key: Any, expr: str, val: str) -> str | None:
     if isinstance(key, jax.tree_util.SequenceKey) and type(obj) is list:
         return f"{expr}[{key.idx}] = {val}"
     if isinstance(key, jax.tree_util.DictKey) and isinstance(obj, dict):
-        return f"{expr}[{key.key!r}] = {val}"
+        return f"{expr}[{_dict_key(key.key, gen)}] = {val}"
     return None
+
+
+def _dict_key(key: Any, gen: CodeGen) -> str:
+    # A str or int key written as itself; any other (np.int64(1), an enum member, a
+    # tuple, an object) a constant of the generated code: its repr need not be code.
+    return repr(key) if type(key) in (str, int) else gen._k(key)
 
 
 def tree_setter(root: Any) -> Callable[[Any, list[Any]], None] | None:
@@ -562,7 +568,7 @@ def tree_setter(root: Any) -> Callable[[Any, list[Any]], None] | None:
             return None
         path, obj, var = "root", root, "root"
         for k in key[:-1]:
-            step = _step(obj, k)
+            step = _step(obj, k, gen)
             if step is None or isinstance(obj, tuple):
                 return None
             path, obj = f"{path}{step}", _get(obj, k)
@@ -573,7 +579,7 @@ def tree_setter(root: Any) -> Callable[[Any, list[Any]], None] | None:
             var = held[path]
         if isinstance(obj, tuple):
             return None
-        assign = _set(obj, key[-1], var, f"vals[{i}]")
+        assign = _set(obj, key[-1], var, f"vals[{i}]", gen)
         if assign is None:
             return None
         lines.append(f"    if vals[{i}] is not None:\n        {assign}")

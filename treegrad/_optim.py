@@ -270,6 +270,23 @@ def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: st
                 )
 
 
+def _check_deleted(
+    config: _Config, params: list[Any], grads: list[Any], api: str, error: Exception
+) -> None:
+    """Name a parameter or gradient whose array was deleted (jax says only "Array has
+    been deleted"): donated to an earlier step, which consumed the model it was given."""
+    for what, arrays in (("parameter", params), ("gradient of", grads)):
+        for i, x in enumerate(arrays):
+            if isinstance(x, jax.Array) and not is_tracer(x) and x.is_deleted():
+                path = config.paths[config.first[i] if what == "parameter" else config.tpos[i]]
+                raise ValueError(
+                    f"{api}: the {what} '{path}' is an array that was deleted: an earlier "
+                    "tg.update(..., donate=True) (or a jax.jit with donate_argnums) was given "
+                    "it and consumed it. Use the model that call returned, not the one given "
+                    "to it."
+                ) from error
+
+
 def _check_avals(config: _Config, params: list[Any], api: str, error: Exception) -> None:
     """Name a parameter whose shape or dtype changed since setup (the step then fails
     inside the rule with an error that names neither)."""
@@ -360,8 +377,11 @@ def _run(
         leaves, new_updated = run(config, placed, state._leaves, updated, kept, g_in, present)
     except BadGradient as e:
         raise ValueError(f"{api}: {e}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
         # Checked only once the step failed: a per-step check would cost every step.
+        _check_deleted(config, params, g, api, e)
+        if isinstance(e, RuntimeError):
+            raise
         if several_devices():
             state_on_other_devices(state, params, g, api, e)
         _check_avals(config, params, api, e)
