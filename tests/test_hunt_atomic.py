@@ -28,6 +28,9 @@ from treegrad import _io, nn
 X = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
 Y = jnp.arange(4.0).reshape(4, 1) / 4
 
+# ~18 s in all: the slow run (CI), so the default run stays under 3 minutes.
+pytestmark = pytest.mark.slow
+
 
 def make_model():
     return nn.Chain(nn.Dense(2, 3, key=jax.random.key(0)), nn.Dense(3, 1, key=jax.random.key(1)))

@@ -462,7 +462,7 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
             masked.append(None)
     tree = treedef.unflatten(masked)
     param_def = jax.tree_util.tree_structure(tree)
-    state = rule.init(tree)
+    state = _steady_dtypes(rule, rule.init(tree), tree)
     _refuse_lookahead(state)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
     statemap = _statemap(rule, state, param_def)
@@ -470,6 +470,34 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
     p_leaves = [x for x in masked if x is not None]
     owners = [p_leaves[local] if local >= 0 else None for local in statemap]
     return part, place_state(state_leaves, owners, p_leaves)
+
+
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def _steady_dtypes(rule: Any, state: Any, tree: Any) -> Any:
+    """`rule.init`'s state in the dtypes its update returns.
+
+    `optax.inject_hyperparams` keeps its hyperparameters as arrays of the
+    parameters' common dtype (complex for a model mixing real and complex
+    arrays), and the moments of a real parameter take that dtype at the first
+    step (as in plain optax). Made so from the start, the state keeps one layout:
+    a state saved after a step loads into a fresh `tg.setup`, and the compiled
+    step is not traced again at the second step. The values are those plain
+    optax computes (zeros cast, exactly).
+    """
+    found = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, _INJECTED))
+    if not any(isinstance(x, _INJECTED) for x in found):
+        return state  # the usual rules keep their dtypes: no trace at setup
+    after = jax.eval_shape(lambda s, p: rule.update(p, s, p)[1], state, tree)
+    after_def: Any = jax.tree_util.tree_structure(after)
+    if after_def != jax.tree_util.tree_structure(state):
+        return state
+    return jax.tree_util.tree_map(
+        lambda x, a: x.astype(a.dtype) if x.shape == a.shape and x.dtype != a.dtype else x,
+        state,
+        after,
+    )
 
 
 def _refuse_lookahead(state: Any) -> None:
