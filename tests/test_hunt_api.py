@@ -508,6 +508,7 @@ def _chain():
     return optax.chain(optax.clip_by_global_norm(0.5), optax.scale_by_adam(), optax.scale(-0.1))
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize(
     "style",
     [s if s == "nested" else pytest.param(s, marks=pytest.mark.slow) for s in STYLES],

@@ -450,6 +450,7 @@ def test_compiled_implicit_step_keeps_a_tied_weight_tied_and_equals_optax():
         np.testing.assert_allclose(m.o, ref["o"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 def test_compiled_explicit_step_unties_a_tied_weight():
     m = TiedW()
     s = tg.setup(optax.adam(1e-2), m)

@@ -1001,6 +1001,7 @@ def test_train_data_that_runs_out_after_one_epoch_is_an_error_naming_the_epoch()
             tg.train(mse_loss, model, data, state, epochs=bad)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 def test_train_nonfinite_loss_mid_epoch_returns_the_last_good_model_and_state():
     model, data, rule = small_model(), small_data(), optax.adam(0.05)
     state = tg.setup(rule, model)

@@ -873,6 +873,7 @@ def _on_mesh(fn, xs):
     return jax.shard_map(fn, mesh=_MESH1, in_specs=P("d"), out_specs=P("d"))(xs)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 def test_gradient_inside_shard_map_of_a_loss_that_varies_over_the_mesh():
     # Before the fix: "unexpected JAX type ... for argument to VJP function: got
     # float32[], but expected float32[]{V:d}": the cotangent fed to jax.vjp did not

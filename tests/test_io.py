@@ -118,6 +118,7 @@ def random_array(name, shape, rng):
     return raw.view(dt).reshape(shape)
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("name", _dtype_names())
 def test_every_dtype_round_trips_bit_exact(tmp_path, name):
     rng = np.random.default_rng(0)

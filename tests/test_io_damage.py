@@ -90,6 +90,7 @@ def _set_first_array(key, value):
     return edit
 
 
+@pytest.mark.slow  # the default run stays under 3 minutes; CI runs it
 @pytest.mark.parametrize(
     "edit, loose, words",
     [
