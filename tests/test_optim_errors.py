@@ -184,3 +184,18 @@ def test_other_misuse():
     state = tg.setup(optax.sgd(0.1), model)
     with pytest.raises(TypeError, match="one element at a time"):
         _ = state[0:1]
+
+
+def test_indexing_the_state_by_a_key_the_model_lacks_names_what_it_has():
+    model = {"a": jnp.ones(2), "b": [jnp.ones(1)]}
+    state = tg.setup(optax.adam(0.1), model)
+    words = r"the optimiser state has no \['zzz'\] here; it mirrors the model, whose dict has "
+    words += r"keys 'a', 'b'"
+    with pytest.raises(KeyError, match=words):
+        _ = state["zzz"]
+    before = state._leaves
+    with pytest.raises(KeyError, match=words):
+        state["zzz"] = optax.sgd(0.1)  # assigning a rule to a part the model lacks
+    assert state._leaves is before
+    with pytest.raises(IndexError, match=r"no \[3\] here.*list has length 1"):
+        _ = state["b"][3]

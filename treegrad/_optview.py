@@ -38,6 +38,21 @@ class _View:
                 f"{type(node).__name__} has no attribute '{name}'"
             ) from None
 
+    def _item(self, node: Any, key: Any) -> Any:
+        try:
+            return node[key]
+        except (KeyError, IndexError, TypeError) as e:
+            if isinstance(node, dict):
+                have = "keys " + ", ".join(map(repr, node))
+            elif isinstance(node, (list, tuple)):
+                have = f"length {len(node)}"
+            else:
+                have = "no items"
+            raise type(e)(
+                f"the optimiser state has no [{key!r}] here; it mirrors the model, whose "
+                f"{type(node).__name__} has {have}"
+            ) from None
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
@@ -48,7 +63,7 @@ class _View:
         if isinstance(key, slice):
             raise TypeError("index the optimiser state one element at a time")
         root, node = self._at()
-        return root._wrap(node[key])
+        return root._wrap(self._item(node, key))
 
     def __setattr__(self, name: str, other: Any) -> None:
         root, node = self._at()
@@ -56,7 +71,7 @@ class _View:
 
     def __setitem__(self, key: Any, other: Any) -> None:
         root, node = self._at()
-        root._graft(node[key], other)
+        root._graft(self._item(node, key), other)
 
     def __iter__(self) -> Iterator[Any]:
         raise TypeError("iterate over the model, and index the state with the same keys")
