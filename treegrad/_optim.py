@@ -206,6 +206,14 @@ def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: li
     if not all(map(held.__contains__, map(id, grads))):
         # Never a silent no-op: these gradients belong to arrays the model no longer holds.
         name = next(n for n, p in zip(grads.named(), grads, strict=True) if id(p) not in held)
+        if not any(map(held.__contains__, map(id, grads))):
+            raise ValueError(
+                f"{api}: the Grads hold gradients for arrays none of which is a parameter of "
+                f"this model (e.g. '{name}'): they were taken before the parameters were "
+                "replaced (by an earlier tg.update_ or an assignment), or for another model's "
+                "parameters. Take the gradients again after each update, for this model's "
+                "Params (grads = tg.gradient(lambda: loss(...), ps)), then call update_."
+            )
         raise ValueError(
             f"{api}: the Grads hold gradients for arrays that are not this model's parameters "
             f"(e.g. '{name}'): they were taken before the parameters were replaced, by an "
