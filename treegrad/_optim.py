@@ -281,8 +281,20 @@ def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: st
 def _check_deleted(
     config: _Config, params: list[Any], grads: list[Any], api: str, error: Exception
 ) -> None:
-    """Name a parameter or gradient whose array was deleted (jax says only "Array has
-    been deleted"): donated to an earlier step, which consumed the model it was given."""
+    """Name a gradient that escaped a trace, or a parameter or gradient whose array was
+    deleted (jax says only "Array has been deleted"): donated to an earlier step, which
+    consumed the model it was given."""
+    if isinstance(error, jax.errors.UnexpectedTracerError):
+        leaked = next((i for i, x in enumerate(grads) if is_tracer(x)), None)
+        if leaked is not None:
+            # Outside any trace, a traced gradient escaped one (jax says only
+            # "unexpected tracer", naming neither the update nor the parameter).
+            raise ValueError(
+                f"{api}: the gradient of '{config.paths[config.tpos[leaked]]}' is a traced "
+                "value that escaped a finished jax transformation (saved from inside a "
+                "jax.jit, grad or vmap to a list or global). Return the gradients from the "
+                "transformation, or call the update inside it."
+            ) from error
     for what, arrays in (("parameter", params), ("gradient of", grads)):
         for i, x in enumerate(arrays):
             if isinstance(x, jax.Array) and not is_tracer(x) and x.is_deleted():
