@@ -819,7 +819,9 @@ def test_save_load_mid_run_with_a_split_frozen_state_continues_bitwise(tmp_path,
     tg.save(tmp_path / "ck", (model, state))
     # The like must be set up the same way; a fresh one says what it lacks.
     fresh = make_model()
-    with pytest.raises(ValueError, match=r"ck has '1\.enc:1\.count', which the model lacks"):
+    words = r"ck has '1\.enc:1\.count', which the model lacks\. It is an entry of the sub-state "
+    words += r"'1\.enc', which had a rule or hyperparameters of its own.*set the fresh state up"
+    with pytest.raises(ValueError, match=words):
         tg.load(tmp_path / "ck", (fresh, tg.setup(make_rule(), fresh)))
     like_model = make_model()
     like_state, _ = prepare(like_model)

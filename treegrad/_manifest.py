@@ -570,9 +570,18 @@ def match(
             out.append(None)
     extra = [r for r in m.leaves if r.keys not in used]
     if extra:
+        path = display(extra[0].path)
+        hint = "Load into a model built like the one that was saved."
+        if ":" in path:
+            # Named `sub.model:...`: a sub-state that had a rule or hyperparameters of
+            # its own when saved; a fresh tg.setup has not (yet).
+            hint = (
+                f"It is an entry of the sub-state '{path.split(':')[0]}', which had a rule or "
+                "hyperparameters of its own when saved (state[...] = rule, or tg.adjust_ of a "
+                "sub-state): set the fresh state up the same way before loading into it."
+            )
         raise ValueError(
-            f"{api}: the checkpoint {where} has '{display(extra[0].path)}', which the model "
-            "lacks. Load into a model built like the one that was saved."
+            f"{api}: the checkpoint {where} has '{path}', which the model lacks. {hint}"
         )
     treedef = jax.tree_util.tree_structure(like)
     return out, lambda new: jax.tree_util.tree_unflatten(treedef, new)
