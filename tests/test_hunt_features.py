@@ -678,6 +678,21 @@ def test_cache_filled_into_a_new_dict_key():
         assert "v" not in cache
 
 
+def test_traced_values_in_a_dict_of_unsortable_keys_are_removed():
+    # jax cannot flatten {1: y, "a": y} (it sorts keys): whether it holds a tracer is
+    # unknown, so it goes as a traced value does (was a ValueError from inside treegrad).
+    cache = {}
+
+    def loss(w):
+        y = jnp.sum(w**2)
+        cache["v"] = {1: y, "a": y}
+        return y
+
+    for w in (W3, 2 * W3):
+        _close(tg.gradient(loss, w)[0], 2 * w)
+        assert cache == {}
+
+
 _GLOBAL_LAST = None
 
 

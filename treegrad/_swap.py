@@ -566,9 +566,10 @@ def holders(nodes: list[Node], places: set[int]) -> set[int]:
 def _holds_tracer(value: Any) -> bool:
     """Whether `value` holds a traced array (one the function computed while traced)."""
     try:
-        return is_tracer(value) or any(map(is_tracer, jax.tree_util.tree_leaves(value)))
-    except Exception:  # an object whose __getattribute__ answers every name its own way
-        return False
+        leaves = jax.tree_util.tree_leaves(value)  # [value] for a leaf, a tracer too
+    except (TypeError, ValueError):  # a pytree that cannot flatten (a dict of unsortable keys)
+        return True  # it may hold one: treated as one, so no tracer can stay behind
+    return any(map(is_tracer, leaves))
 
 
 def _put_cell(cell: Any, _key: Any, value: Any) -> None:

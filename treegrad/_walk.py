@@ -273,7 +273,7 @@ class Walk:
         if not _plain_attributes(t):
             try:
                 value.__class__  # noqa: B018 -- what isinstance and hasattr read first
-            except Exception:
+            except Exception:  # any error: user code answers; the object is then by identity
                 # A __getattribute__ that answers every name its own way (a view of a
                 # dict): the object by identity, and its class's methods (that
                 # __getattribute__ included) walked, with what they read.
