@@ -197,12 +197,20 @@ def _holds_arrays(x: Any) -> bool:
     """Whether a plain object (a static leaf of the arguments) holds arrays directly."""
     if x is DYN or isinstance(x, (type, types.FunctionType, str, bytes, int, float, complex)):
         return False
+    # Read past any __getattribute__ of the user's (the object is only looked at here).
     try:
-        values = list(vars(x).values())
-    except TypeError:  # no __dict__: a dataclass with slots, or a builtin value
+        values = list(object.__getattribute__(x, "__dict__").values())
+    except AttributeError:  # no __dict__: a dataclass with slots, or a builtin value
         fields = getattr(type(x), "__dataclass_fields__", None) or {}
-        values = [getattr(x, name, None) for name in fields]
+        values = [_slot(x, name) for name in fields]
     return any(isinstance(v, jax.Array) for v in values)
+
+
+def _slot(x: Any, name: str) -> Any:
+    try:
+        return object.__getattribute__(x, name)
+    except AttributeError:  # a field not set
+        return None
 
 
 def clear_cache() -> None:

@@ -333,18 +333,24 @@ class Settle:
 
     def _added(self, value: Any, remove: Callable[[], Any]) -> Node:
         """An entry the function added to a dict or object while traced."""
-        if _holds_tracer(value):
-            # A value computed from the traced arrays (a cache filled on first use):
-            # left there it would be a tracer in the user's object after the call.
-            # Removed, it is computed again when next read, as a fresh cache is; the
-            # function is traced again each call (the places stay where they were).
-            remove()
-            self.cacheable = False
+        if self._dropped(value, remove):
             return Unchecked()
         if any(map(is_array, jax.tree_util.tree_leaves(value))):
             raise Unsettled
         self.demoted = True
         return Unchecked()
+
+    def _dropped(self, value: Any, remove: Callable[[], Any]) -> bool:
+        """Remove a value the function put where there was none, when it was computed
+        from the traced arrays (a cache filled on first use): left there it would be a
+        tracer in the user's object after the call. Removed, it is computed again when
+        next read, as a fresh cache is; the function is traced again each call (the
+        places stay where they were). Whether it was removed."""
+        if value is MISSING or not _holds_tracer(value):
+            return False
+        remove()
+        self.cacheable = False
+        return True
 
     def _container(self, node: Node, children: list[Node]) -> Node:
         # Only the entries the function changed stop being checked: it may read
@@ -414,9 +420,7 @@ class Settle:
                 except ValueError:
                     value = MISSING
                 if cell_node is None:
-                    if value is not MISSING and _holds_tracer(value):
-                        del cell.cell_contents  # assigned a traced value: empty again
-                        self.cacheable = False
+                    if self._dropped(value, functools.partial(_empty_cell, cell)):
                         value = MISSING
                     cells.append(None if value is MISSING else self._demote(Unchecked(), value))
                 elif value is MISSING:
@@ -432,9 +436,7 @@ class Settle:
                 # put back, or removed if it was new, as an object's attribute is.
                 value = g.get(name, MISSING)
                 if global_node is None:
-                    if value is not MISSING and _holds_tracer(value):
-                        del g[name]
-                        self.cacheable = False
+                    if self._dropped(value, functools.partial(g.pop, name, None)):
                         value = MISSING
                     names.append(
                         (name, None if value is MISSING else self._demote(Unchecked(), value))
@@ -574,3 +576,7 @@ def _holds_tracer(value: Any) -> bool:
 
 def _put_cell(cell: Any, _key: Any, value: Any) -> None:
     cell.cell_contents = value
+
+
+def _empty_cell(cell: Any) -> None:
+    del cell.cell_contents

@@ -370,17 +370,14 @@ class Walk:
         if _is_library(t) and t is not types.SimpleNamespace:
             self._library(value)
             self._reads_by_name(value)
-            wrapped = getattr(value, "__wrapped__", None) if callable(value) else None
-            if type(wrapped) is types.FunctionType:
-                # A library wrapper of a user function (functools.lru_cache): what the
-                # function reads is guarded as a root of its own.
-                self.fixed(wrapped)
             if callable(value):
-                # The user's functions it holds (jax.custom_vjp's fwd and bwd rules,
-                # custom_jvp's jvp): what they read is guarded too.
-                for held in getattr(value, "__dict__", {}).values():
-                    if type(held) is types.FunctionType:
-                        self.fixed(held)
+                # A library wrapper of the user's functions (functools.lru_cache's
+                # __wrapped__, jax.custom_vjp's fwd and bwd rules, custom_jvp's jvp):
+                # what each reads is guarded, as a root of its own.
+                held = getattr(value, "__dict__", {}).values()
+                for fn in (getattr(value, "__wrapped__", None), *held):
+                    if type(fn) is types.FunctionType:
+                        self.fixed(fn)
             return Same(value)
         if hasattr(value, "__dict__") or _slot_names(t):
             return self._object(value, path)
