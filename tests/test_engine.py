@@ -135,3 +135,54 @@ def test_unused_inputs_are_none_and_the_program_is_pruned():
         np.testing.assert_allclose(ga, [2.0, 2.0])
     # Traced once to find the unused input, once without differentiating it; then cached.
     assert len(traces) == 2
+
+
+def _grad_of_closure(a, b, v):
+    # One code object for every call below: each goes through the cache's usual-call path
+    # (`_cache._lookup`), which must hand every unusual call to the general one.
+    return tg.gradient(lambda v: jnp.sum(v * a) + jnp.sum(jnp.sin(v) * b), v)[0]
+
+
+def test_the_usual_call_path_hands_ties_and_new_dtypes_to_the_general_one():
+    a, b = jnp.array([1.0, 2.0]), jnp.array([3.0, -1.0])
+    v = jnp.array([0.5, 0.25])
+    calls = [
+        (a, b, v),  # distinct captured arrays: the path the next calls are checked on
+        (a, a, v),  # the same array captured twice
+        (a, b, v.astype(jnp.bfloat16)),  # a new float dtype at the argument
+        (a, b, v),
+        (b, b, v),
+        (a, b, v.astype(jnp.float16)),
+    ]
+    for x, y, w in calls:
+        got = _grad_of_closure(x, y, w)
+        want = jax.grad(lambda v, x=x, y=y: jnp.sum(v * x) + jnp.sum(jnp.sin(v) * y))(w)
+        assert got.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # An integer argument where a float one was: not differentiated (None), not an error.
+    assert _grad_of_closure(a, b, jnp.array([1, 2])) is None
+    np.testing.assert_allclose(_grad_of_closure(a, b, v), a + jnp.cos(v) * b)
+
+
+def test_the_usual_update_path_hands_other_gradient_trees_to_the_general_one():
+    # tg.update's inline path takes a gradient tree of the model's own structure with an
+    # array at every leaf; a None, a 1-tuple around it or another structure go the long way.
+    model = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([0.5])}
+    rule = optax.sgd(0.1)
+    state = tg.setup(rule, model)
+    g = {"w": jnp.array([1.0, -1.0]), "b": jnp.array([2.0])}
+    state, m1 = tg.update(state, model, g)  # builds the model's generated flatten
+    state, m2 = tg.update(state, m1, g)  # the inline path
+    np.testing.assert_allclose(m2["w"], model["w"] - 0.2 * g["w"], rtol=1e-6)
+    state, m3 = tg.update(state, m2, {"w": None, "b": g["b"]})
+    assert m3["w"] is m2["w"]  # no gradient: the same array object, not only its value
+    np.testing.assert_allclose(m3["b"], m2["b"] - 0.1 * g["b"])
+    with pytest.raises(TypeError, match=r"got a 1-tuple of gradients.*\(g,\) = tg.gradient"):
+        tg.update(state, m3, (g,))
+    with pytest.raises(
+        ValueError, match=r"gradient tree does not match the model \(first difference at 'b'\)"
+    ):
+        tg.update(state, m3, {"w": g["w"]})
+    # Tied since setup: named, on the inline path too.
+    with pytest.raises(ValueError, match="'b' and 'w' are now one array"):
+        tg.update(state, {"w": m3["w"], "b": m3["w"]}, {"w": g["w"], "b": g["w"]})

@@ -20,7 +20,7 @@ import jax
 
 from . import _guard as G
 from . import _optguard
-from ._call import _GROUPS, Call, root_keys, uniq_in_groups
+from ._call import _GROUPS, DTYPE, Call, root_keys, uniq_in_groups
 from ._engine import Entry
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
@@ -120,12 +120,22 @@ def _lookup(
         cl = entry.guard.check(*roots)
         if cl is None:
             continue
-        cl_uniq = entry.matches(cl, params)
-        if cl_uniq is None:
-            continue
-        dyn = cl_uniq + a_uniq
-        if not entry.fits(dyn):
-            continue
+        if (
+            entry.plain
+            and params is None
+            and len(set(map(id, cl))) == len(cl)
+            and tuple(map(DTYPE, a_uniq)) == entry._wrt_dtypes
+        ):
+            # The usual explicit call, `matches` and `fits` in one test: no tied
+            # captured arrays, the argument arrays' dtypes the first call's.
+            dyn = cl + a_uniq
+        else:
+            cl_uniq = entry.matches(cl, params)
+            if cl_uniq is None:
+                continue
+            dyn = cl_uniq + a_uniq
+            if not entry.fits(dyn):
+                continue
         _LRU.move_to_end(id(entry))
         return entry, entry.run(roots, dyn)
     return None

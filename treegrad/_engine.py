@@ -98,6 +98,7 @@ class Entry:
         self._pick_wrt: Callable[[Sequence[Any]], Sequence[Any]] = picker(())
         self._wrt_dtypes: tuple[Any, ...] = ()
         self._wrt_kinds: tuple[bool, ...] = ()
+        self.plain = False
         self._donate_fn = donate
         self._shardings_fn = shardings
         self._multi = several_devices()  # fixed for the life of the process
@@ -126,6 +127,14 @@ class Entry:
         self._pick_wrt = picker(self.wrt)
         self._wrt_dtypes = self._dtypes(dyn)
         self._wrt_kinds = tuple(map(is_inexact, self._wrt_dtypes))
+        # Explicit mode with no array captured twice, differentiating every argument
+        # array: `matches` and `fits` then reduce to two checks (`_cache._lookup`).
+        self.plain = (
+            params is None
+            and self.program != CALL
+            and self.cl_slots is None
+            and self.wrt == tuple(range(self.n_cl, len(dyn)))
+        )
         self._build()
         return dyn
 

@@ -379,12 +379,24 @@ def _run(
     if in_place:
         _check_rebindable(config, model, api)
     params = m_leaves if config.plain else config.pick_first(m_leaves)
-    _check_ties(config, m_leaves, params, api)
-    if isinstance(grads, Grads):
-        g = _from_mapping(config, grads, m_leaves, params, api)
+    if config.tied or len(set(map(id, params))) != len(params):
+        _check_ties(config, m_leaves, params, api)
+    shape = config._shape
+    g_all = shape.flatten(grads) if shape is not None else None
+    if g_all is not None:
+        # The usual step, inline: a gradient tree of the model's own structure with an
+        # array at every leaf (so no None, and not a 1-tuple around it).
+        g = g_all if config.plain else config.pick_trainable(g_all)
+        g_in = tuple(g)
+        present = config.present_all(bool(params) and is_tracer(params[0]))
+        none = False
     else:
-        g = _from_tree(config, m_def, m_leaves, model, grads, api)
-    g_in, present = _inputs(config, g, params, donate)
+        if isinstance(grads, Grads):
+            g = _from_mapping(config, grads, m_leaves, params, api)
+        else:
+            g = _from_tree(config, m_def, m_leaves, model, grads, api)
+        g_in, present = _inputs(config, g, params, donate)
+        none = _has_none(g)
     _check_rules(config)  # before the step is read: it may trace it again
     run = step_donating if donate else _optstep.step
     if config.kept:
@@ -412,7 +424,7 @@ def _run(
             new_params[i] = x
     else:
         new_params = list(new_updated)
-    if not donate and _has_none(g):
+    if not donate and none:
         # A parameter with no gradient at any place keeps its array object, not
         # only its value: Grads keyed on it stay valid, and update_ rebinds nothing.
         have = {i for i, x in zip(config.tslot, g, strict=True) if x is not None}
