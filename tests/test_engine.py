@@ -153,6 +153,8 @@ def test_the_usual_call_path_hands_ties_and_new_dtypes_to_the_general_one():
         (a, b, v),
         (b, b, v),
         (a, b, v.astype(jnp.float16)),
+        (a, b, np.asarray(v)),  # a numpy argument (its dtype is read another way)
+        (a, b, np.asarray(v)),
     ]
     for x, y, w in calls:
         got = _grad_of_closure(x, y, w)

@@ -20,7 +20,7 @@ import jax
 
 from . import _guard as G
 from . import _optguard
-from ._call import _GROUPS, DTYPE, Call, root_keys, uniq_in_groups
+from ._call import _GROUPS, Call, dtypes, root_keys, uniq_in_groups
 from ._engine import Entry
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
@@ -124,7 +124,7 @@ def _lookup(
             entry.plain
             and params is None
             and len(set(map(id, cl))) == len(cl)
-            and tuple(map(DTYPE, a_uniq)) == entry._wrt_dtypes
+            and dtypes(a_uniq) == entry._wrt_dtypes
         ):
             # The usual explicit call, `matches` and `fits` in one test: no tied
             # captured arrays, the argument arrays' dtypes the first call's.

@@ -38,7 +38,7 @@ import jax
 
 from . import _guard as G
 from . import _jaxpr
-from ._call import DTYPE, Call, links
+from ._call import Call, dtypes, links
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
 from ._layout import placements, several_devices
@@ -139,7 +139,7 @@ class Entry:
         return dyn
 
     def _dtypes(self, dyn: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(map(DTYPE, self._pick_wrt(dyn)))
+        return dtypes(self._pick_wrt(dyn))
 
     def fits(self, dyn: list[Any]) -> bool:
         """Whether these inputs are differentiable at the places the first call's were,
