@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ._guardcode import Guard
 from ._walk import Walk, user_functions
 
@@ -22,7 +24,7 @@ class RuleGuard:
     """Whether the values the rules' user functions read are those the step was traced
     with. `None` from `of` when the rules hold no function of the user's."""
 
-    __slots__ = ("_arrays", "_fns", "_guard")
+    __slots__ = ("_arrays", "_fns", "_guard", "_numpy")
 
     def __init__(self, fns: list[Any]):
         self._fns = fns
@@ -31,8 +33,10 @@ class RuleGuard:
             walk.fixed(fn)
         self._guard = Guard([], walk.finish([]))
         found = self._guard.check()
-        # A captured array is a constant of the trace: the same objects, or trace again.
+        # A captured array is a constant of the trace: the same objects, or trace again;
+        # a numpy array can also be edited in place, so its contents are kept to compare.
         self._arrays = None if found is None else list(map(id, found))
+        self._numpy = [(k, x.tobytes()) for k, x in enumerate(found or ()) if _is_numpy(x)]
 
     @classmethod
     def of(cls, rules: Sequence[Any]) -> RuleGuard | None:
@@ -41,7 +45,15 @@ class RuleGuard:
 
     def fresh(self) -> bool:
         found = self._guard.check()
-        return found is not None and list(map(id, found)) == self._arrays
+        return (
+            found is not None
+            and list(map(id, found)) == self._arrays
+            and all(found[k].tobytes() == data for k, data in self._numpy)
+        )
+
+
+def _is_numpy(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
 
 
 # Per tuple of rule objects (equal configurations share one compiled step, and

@@ -28,7 +28,7 @@ from ._jaxpr import is_tracer
 from ._layout import placements, several_devices, state_on_other_devices
 from ._optguard import RuleGuard, holder
 from ._optstate import _Config, build, holders
-from ._optstep import BadGradient, clear_steps, step_donating
+from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState
 from ._params import Params
 from ._paths import rebind
@@ -279,7 +279,12 @@ def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: st
 
 
 def _check_deleted(
-    config: _Config, params: list[Any], grads: list[Any], api: str, error: Exception
+    config: _Config,
+    params: list[Any],
+    grads: list[Any],
+    states: tuple[Any, ...],
+    api: str,
+    error: Exception,
 ) -> None:
     """Name a gradient that escaped a trace, or a parameter or gradient whose array was
     deleted (jax says only "Array has been deleted"): donated to an earlier step, which
@@ -305,6 +310,12 @@ def _check_deleted(
                     "it and consumed it. Use the model that call returned, not the one given "
                     "to it."
                 ) from error
+    if any(isinstance(x, jax.Array) and not is_tracer(x) and x.is_deleted() for x in states):
+        raise ValueError(
+            f"{api}: the optimiser state holds arrays that were deleted: an earlier "
+            "tg.update(..., donate=True) was given this state and consumed it. Use the state "
+            "that call returned (state, model = tg.update(state, model, grads, donate=True))."
+        ) from error
 
 
 def _check_avals(config: _Config, params: list[Any], api: str, error: Exception) -> None:
@@ -312,12 +323,8 @@ def _check_avals(config: _Config, params: list[Any], api: str, error: Exception)
     inside the rule with an error that names neither)."""
     for i, (x, (shape, dtype)) in enumerate(zip(params, config.avals, strict=True)):
         if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
-            raise ValueError(
-                f"{api}: '{config.paths[config.first[i]]}' is {describe_leaf(x)} but was "
-                f"{jnp.dtype(dtype).name}{list(shape)} when the optimiser state was set up; its "
-                "state has the old shape. Set the state up again for the changed model "
-                "(tg.setup(rule, model))."
-            ) from error
+            path = config.paths[config.first[i]]
+            raise ValueError(f"{api}: {shape_changed(path, x, shape, dtype)}") from error
 
 
 def _check_rebindable(config: _Config, model: Any, api: str) -> None:
@@ -411,7 +418,7 @@ def _run(
         raise ValueError(f"{api}: {e}") from None
     except (TypeError, ValueError, RuntimeError) as e:
         # Checked only once the step failed: a per-step check would cost every step.
-        _check_deleted(config, params, g, api, e)
+        _check_deleted(config, params, g, state._leaves, api, e)
         if isinstance(e, RuntimeError):
             raise
         if several_devices():

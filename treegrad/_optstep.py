@@ -61,6 +61,33 @@ def _gradient_problem(param: Any, g: Any) -> str | None:
     return None
 
 
+def shape_changed(path: str, x: Any, shape: tuple[int, ...], dtype: Any) -> str:
+    """The message for a parameter whose shape or dtype is not the one set up."""
+    return (
+        f"'{path}' is {describe_leaf(x)} but was {jnp.dtype(dtype).name}{list(shape)} when "
+        "the optimiser state was set up; its state has the old shape. Set the state up again "
+        "for the changed model (tg.setup(rule, model))."
+    )
+
+
+def _check_shapes(config: _Config, params: list[Any]) -> None:
+    """A parameter with state entries of its own has the shape it was set up with.
+
+    Checked while tracing (free on later calls): optax would broadcast a new
+    shape against the old-shaped moments and return the old shape, silently. A
+    rule that keeps nothing per parameter (plain sgd) takes any shape, as in optax.
+    """
+    for part in config.parts:
+        for local in part.statemap:
+            if local < 0:
+                continue
+            i = part.leaf_ids[local]
+            shape, dtype = config.avals[i]
+            if tuple(params[i].shape) != tuple(shape):
+                path = config.paths[config.first[i]]
+                raise BadGradient(shape_changed(path, params[i], shape, dtype))
+
+
 def _step_impl(
     config: _Config,
     placed: tuple[Any, ...] | None,
@@ -81,6 +108,7 @@ def _step_impl(
     params: list[Any] = [None] * config.n
     for i, x in zip(config.updated + config.kept, updated + kept, strict=True):
         params[i] = x
+    _check_shapes(config, params)
     for p, i, g in zip(config.tpos, config.tslot, grads, strict=True):
         problem = _gradient_problem(params[i], g)
         if problem:
