@@ -21,7 +21,7 @@ import jax
 from . import _guard as G
 from . import _optguard
 from ._call import _GROUPS, Call, dtypes, root_keys, uniq_in_groups
-from ._engine import Entry
+from ._engine import Entry, Refit
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
@@ -136,8 +136,12 @@ def _lookup(
             dyn = cl_uniq + a_uniq
             if not entry.fits(dyn):
                 continue
+        try:
+            out = entry.run(roots, dyn)
+        except Refit:  # a new trace read differentiation otherwise: another entry's call
+            continue
         _LRU.move_to_end(id(entry))
-        return entry, entry.run(roots, dyn)
+        return entry, out
     return None
 
 

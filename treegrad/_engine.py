@@ -52,6 +52,16 @@ from ._walk import Walk, node_types, static_callables
 # --- step 3: one compiled program per entry ----------------------------------------
 
 
+class Refit(Exception):
+    """Raised by `Entry.run` when a new trace of the entry reads differentiation
+    otherwise than its first: the call goes to another entry (`_cache._lookup`)."""
+
+
+def signature(dyn: Sequence[Any]) -> tuple[Any, ...]:
+    """The inputs' shapes and dtypes: what makes jax trace a program again."""
+    return tuple((tuple(x.shape), x.dtype) for x in dyn)
+
+
 class Entry:
     """One compiled program for one cache key and one guard."""
 
@@ -99,6 +109,13 @@ class Entry:
         self._wrt_dtypes: tuple[Any, ...] = ()
         self._wrt_kinds: tuple[bool, ...] = ()
         self.plain = False
+        # What the first trace's jaxpr said about differentiation holds for its input
+        # shapes and dtypes only: a later trace (new shapes) is checked (`_holds`), and
+        # the signatures where it does not hold are refused (`fits`) for another entry.
+        self.differentiable: tuple[int, ...] = ()
+        self.retraced = False
+        self._analysed = False
+        self._refused: set[tuple[Any, ...]] = set()
         self._donate_fn = donate
         self._shardings_fn = shardings
         self._multi = several_devices()  # fixed for the life of the process
@@ -122,6 +139,7 @@ class Entry:
         elif self.program != CALL:
             self.wrt = tuple(range(self.n_cl, len(dyn)))
         self.active = tuple(i for i in self.wrt if is_inexact(dyn[i].dtype))
+        self.differentiable = self.active
         if self.program == CALL:
             self.a_links = links(cl_uniq, a_uniq)
         self._pick_wrt = picker(self.wrt)
@@ -149,6 +167,8 @@ class Entry:
         dtypes; jax traces a new dtype again but keeps the entry, so an integer
         array where a float one was (or back) needs an entry of its own.
         """
+        if self._refused and signature(dyn) in self._refused:
+            return False
         if self.program == CALL:
             return links(dyn[: self.n_cl], dyn[self.n_cl :]) == self.a_links
         dtypes = self._dtypes(dyn)
@@ -177,6 +197,7 @@ class Entry:
         n_extra = 1 if self.program == GRAD else 0  # the cotangent
 
         def program(*dyn: Any) -> Any:
+            self.retraced = True  # runs only when jax traces: new shapes, or a new jit
             n = len(dyn) - n_extra
             return self._flat_out(trace(self, list(dyn[:n]), dyn[n:], placed))
 
@@ -269,21 +290,48 @@ class Entry:
         ]
         if hidden:
             self._hidden(hidden, params)
-        if self.active:
-            if self.program == GRAD:
-                # A gradient that does not depend on the cotangent (the last input)
-                # is a structural zero: its input is unused.
-                reached = _jaxpr.reached(closed, [len(dyn)])
-                deps: Collection[int] = {p for k, p in enumerate(self.grad_order()) if k in reached}
-            elif self.live is not None:  # read from a pullback's or Jacobian's derivative
-                deps = self.live
-            else:
-                deps = _jaxpr.dependencies(closed, range(self.n_deps))
-            live = tuple(i for i in self.active if i in deps)
-            if live != self.active:
-                self.active = live
-                self._build()  # unused inputs: not differentiated; traced again
-        return self.run(roots, dyn)
+        live = self._live(closed, len(dyn))
+        if live != self.active:
+            self.active = live
+            self._build()  # unused inputs: not differentiated; traced again
+        out = self.run(roots, dyn)
+        self._analysed = True
+        return out
+
+    def _live(self, closed: Any, n_dyn: int) -> tuple[int, ...]:
+        """The differentiated inputs whose derivative this jaxpr says may be non-zero."""
+        if not self.active:
+            return ()
+        if self.program == GRAD:
+            # A gradient that does not depend on the cotangent (the last input)
+            # is a structural zero: its input is unused.
+            reached = _jaxpr.reached(closed, [n_dyn])
+            deps: Collection[int] = {p for k, p in enumerate(self.grad_order()) if k in reached}
+        elif self.live is not None:  # read from a pullback's or Jacobian's derivative
+            deps = self.live
+        else:
+            deps = _jaxpr.dependencies(closed, range(self.n_deps))
+        return tuple(i for i in self.active if i in deps)
+
+    def _holds(self, dyn: list[Any]) -> bool:
+        """Whether the first trace's reading of which inputs get a derivative holds for
+        the trace of these inputs (new shapes or dtypes may take other code paths).
+
+        Read as the first trace's was; an input left out then (unused) is not in
+        this program, so with one the function is traced once more with it in.
+        """
+        left_out = [i for i in self.differentiable if i not in self.active]
+        if not left_out:
+            closed = self.compiled(dyn).trace(*dyn, *self._extra()).jaxpr  # cached: no trace
+            return self._live(closed, len(dyn)) == self.active
+        kept, n = self.active, len(dyn)
+        self.active = self.differentiable
+        try:
+            specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*dyn, *self._extra()]]
+            closed = jax.make_jaxpr(lambda *d: trace(self, list(d[:n]), d[n:], None))(*specs)
+            return self._live(closed, n) == kept
+        finally:
+            self.active = kept
 
     def _leaked(self) -> None:
         # jax made an input of a traced value the function read from outside its
@@ -342,6 +390,12 @@ class Entry:
             # On one device there is one program (`compiled` picks one per placement).
             program = self.compiled(dyn) if self._multi else self.jitted
             out = program(*dyn, cotangent()) if self.program == GRAD else program(*dyn)
+            if self.retraced:
+                self.retraced = False
+                if self._analysed and not self._holds(dyn):
+                    self._refused.add(signature(dyn))
+                    self.plain = False  # `fits` must see the refusal
+                    raise Refit
         finally:
             self.stack.pop()
         if self.demoted:

@@ -94,15 +94,15 @@ def constants(closed: Any) -> list[Any]:
     return out
 
 
-def dependencies(closed: Any, outputs: Sequence[int]) -> set[int]:
-    """Indices of the jaxpr's inputs that the given outputs depend on.
+def dependencies(closed: Any, outputs: Sequence[int] | None) -> set[int]:
+    """Indices of the jaxpr's inputs that the given outputs (None: all) depend on.
 
     Calls to inner jitted functions are followed precisely; other higher-order
     primitives (scan, cond, custom_jvp, ...) count every input as used, which
     can only turn a `None` into a zero gradient, never the reverse.
     """
     jaxpr = _inner(closed)
-    outvars = [jaxpr.outvars[i] for i in outputs]
+    outvars = jaxpr.outvars if outputs is None else [jaxpr.outvars[i] for i in outputs]
     live = _live_inputs(jaxpr, outvars)
     return {i for i, v in enumerate(jaxpr.invars) if v in live}
 
