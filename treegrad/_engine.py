@@ -15,7 +15,9 @@ A call goes through four named steps (steps 2 and 4 are in `_cache.py`):
    and wraps `_trace` in `jax.jit`. The first call traces it with
    `jax.jit(...).trace` and reads the jaxpr (`_jaxpr`): inputs the outputs do
    not depend on are left out of differentiation (their gradient is `None`),
-   and arrays captured where the walk could not see are reported.
+   and arrays captured where the walk could not see are reported. A later
+   trace of the entry (new shapes or dtypes) is read again: one that says
+   otherwise sends the call to an entry of its own (`Refit`).
 4. `Entry.run` calls the compiled program with the arrays and writes back any
    array the function rebound in its captured containers (an in-place update
    inside a compiled step), so the user sees what an uncompiled run would leave.
