@@ -114,7 +114,6 @@ class Entry:
         # What the first trace's jaxpr said about differentiation holds for its input
         # shapes and dtypes only: a later trace (new shapes) is checked (`_holds`), and
         # the signatures where it does not hold are refused (`fits`) for another entry.
-        self.differentiable: tuple[int, ...] = ()
         self.retraced = False
         self._analysed = False
         self._refused: set[tuple[Any, ...]] = set()
@@ -141,7 +140,6 @@ class Entry:
         elif self.program != CALL:
             self.wrt = tuple(range(self.n_cl, len(dyn)))
         self.active = tuple(i for i in self.wrt if is_inexact(dyn[i].dtype))
-        self.differentiable = self.active
         if self.program == CALL:
             self.a_links = links(cl_uniq, a_uniq)
         self._pick_wrt = picker(self.wrt)
@@ -322,12 +320,13 @@ class Entry:
         Read as the first trace's was; an input left out then (unused) is not in
         this program, so with one the function is traced once more with it in.
         """
-        left_out = [i for i in self.differentiable if i not in self.active]
-        if not left_out:
+        # What `bind` differentiated, before the first trace left unused inputs out.
+        differentiable = tuple(i for i, k in zip(self.wrt, self._wrt_kinds, strict=True) if k)
+        if differentiable == self.active:
             closed = self.compiled(dyn).trace(*dyn, *self._extra()).jaxpr  # cached: no trace
             return self._live(closed, len(dyn)) == self.active
         kept, n = self.active, len(dyn)
-        self.active = self.differentiable
+        self.active = differentiable
         try:
             specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*dyn, *self._extra()]]
             closed = jax.make_jaxpr(lambda *d: trace(self, list(d[:n]), d[n:], None))(*specs)

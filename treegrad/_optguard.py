@@ -36,7 +36,9 @@ class RuleGuard:
         # A captured array is a constant of the trace: the same objects, or trace again;
         # a numpy array can also be edited in place, so its contents are kept to compare.
         self._arrays = None if found is None else list(map(id, found))
-        self._numpy = [(k, x.tobytes()) for k, x in enumerate(found or ()) if _is_numpy(x)]
+        self._numpy = [
+            (k, x.tobytes()) for k, x in enumerate(found or ()) if isinstance(x, np.ndarray)
+        ]
 
     @classmethod
     def of(cls, rules: Sequence[Any]) -> RuleGuard | None:
@@ -50,10 +52,6 @@ class RuleGuard:
             and list(map(id, found)) == self._arrays
             and all(found[k].tobytes() == data for k, data in self._numpy)
         )
-
-
-def _is_numpy(x: Any) -> bool:
-    return isinstance(x, np.ndarray)
 
 
 # Per tuple of rule objects (equal configurations share one compiled step, and

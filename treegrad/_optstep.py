@@ -35,7 +35,8 @@ _EXTRA_ARGS = re.compile(
 
 
 class BadGradient(ValueError):
-    """A gradient's shape or dtype does not fit its parameter (found while tracing)."""
+    """A gradient does not fit its parameter, or a parameter its optax state (found
+    while tracing)."""
 
 
 def _gradient_problem(param: Any, g: Any) -> str | None:
