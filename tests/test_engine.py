@@ -188,3 +188,58 @@ def test_the_usual_update_path_hands_other_gradient_trees_to_the_general_one():
     # Tied since setup: named, on the inline path too.
     with pytest.raises(ValueError, match="'b' and 'w' are now one array"):
         tg.update(state, {"w": m3["w"], "b": m3["w"]}, {"w": g["w"], "b": g["w"]})
+
+
+def test_the_usual_step_takes_neither_general_path_and_matches_plain_optax(monkeypatch):
+    # The naive loop's usual call (`Entry.run_plain`) and step (`_optim._update_plain`)
+    # skip the general paths; what they give must be what those (and jax, optax) give.
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
+
+    def loss(m, x):
+        return jnp.sum(jnp.tanh(x @ m["w"] + m["b"]) ** 2)
+
+    def value_and_grad(model):  # a new lambda each call, of one code object
+        return tg.withgradient(lambda m: loss(m, x), model)
+
+    model = {"w": jnp.array([[0.5, -1.0], [2.0, 0.25]]), "b": jnp.array([0.1, -0.2])}
+    rule = optax.adam(0.1)
+    ref_m, opt_state = model, rule.init(model)
+    state = tg.setup(rule, model)
+    _, (g,) = value_and_grad(model)
+    state, model = tg.update(state, model, g)  # both paths learn the structures here
+    u, opt_state = rule.update(g, opt_state, ref_m)
+    ref_m = optax.apply_updates(ref_m, u)
+
+    def general(*args, **kwargs):
+        raise AssertionError("the usual call took the general path")
+
+    monkeypatch.setattr(tg._engine.Entry, "run", general)
+    monkeypatch.setattr(tg._optim, "_run", general)
+    for _ in range(3):
+        value, (g,) = value_and_grad(model)
+        want_v, want_g = jax.value_and_grad(loss)(ref_m, x)
+        np.testing.assert_allclose(value, want_v, rtol=1e-6)
+        for k in model:
+            np.testing.assert_allclose(g[k], want_g[k], rtol=1e-6)
+        state, model = tg.update(state, model, g)
+        u, opt_state = rule.update(want_g, opt_state, ref_m)
+        ref_m = optax.apply_updates(ref_m, u)
+        for k in model:
+            np.testing.assert_allclose(model[k], ref_m[k], rtol=1e-6)
+
+
+def test_an_integer_argument_where_a_float_one_was_is_refused_while_tracing():
+    # Which inputs are differentiated was read from the first call's dtypes; jax traces
+    # each new dtype, and that trace refuses it (before the user's function runs).
+    traces = []
+    c = jnp.array([2.0, 3.0])
+
+    def f(v):
+        traces.append(v.dtype)
+        return jnp.sum(v * c)
+
+    v, n = jnp.array([1.0, 1.0]), jnp.array([1, 2])
+    for _ in range(2):
+        np.testing.assert_allclose(tg.gradient(lambda v: f(v), v)[0], c)
+        assert tg.gradient(lambda v: f(v), n)[0] is None
+    assert traces == [jnp.float32, jnp.int32]  # each kind once: no trace on the way back

@@ -20,7 +20,7 @@ import jax
 
 from . import _guard as G
 from . import _optguard
-from ._call import _GROUPS, Call, dtypes, root_keys, uniq_in_groups
+from ._call import _GROUPS, Call, root_keys, uniq_in_groups
 from ._engine import Entry, Refit
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
@@ -85,7 +85,15 @@ def execute(
         leaves = shape.flatten(args)
         if leaves is not None:
             if slots is None and len(set(map(id, leaves))) == len(leaves):
-                hit = _lookup(last, roots, leaves, params)  # no tied arrays: the usual case
+                # No tied arrays: the usual case; the usual explicit gradient in one step.
+                first = last[0] if last else None
+                if first is not None and first.fast and params is None:
+                    out = first.run_plain(roots, leaves)
+                    if out is not None:
+                        _LRU.move_to_end(id(first))
+                        return first, out
+                    last = last[1:]  # not this call's entry (see `run_plain`)
+                hit = _lookup(last, roots, leaves, params)
             else:
                 a_uniq, a_slots = uniq_in_groups(leaves, groups)
                 same = a_slots == slots and (a_slots is None or shared_nodes(args) == shared)
@@ -120,22 +128,13 @@ def _lookup(
         cl = entry.guard.check(*roots)
         if cl is None:
             continue
-        if (
-            entry.plain
-            and params is None
-            and len(set(map(id, cl))) == len(cl)
-            and dtypes(a_uniq) == entry._wrt_dtypes
-        ):
-            # The usual explicit call, `matches` and `fits` in one test: no tied
-            # captured arrays, the argument arrays' dtypes the first call's.
-            dyn = cl + a_uniq
+        if entry.plain and params is None and len(set(map(id, cl))) == len(cl):
+            dyn = cl + a_uniq  # the usual explicit call: `matches` and `fits` in one test
         else:
             cl_uniq = entry.matches(cl, params)
-            if cl_uniq is None:
+            if cl_uniq is None or not entry.fits(cl_uniq + a_uniq):
                 continue
             dyn = cl_uniq + a_uniq
-            if not entry.fits(dyn):
-                continue
         try:
             out = entry.run(roots, dyn)
         except Refit:  # a new trace read differentiation otherwise: another entry's call

@@ -108,9 +108,8 @@ class Entry:
         # `tg.jit`: for each argument array, the closure array it is (or -1); None: none.
         self.a_links: tuple[int, ...] | None = None
         self._pick_wrt: Callable[[Sequence[Any]], Sequence[Any]] = picker(())
-        self._wrt_dtypes: tuple[Any, ...] = ()
         self._wrt_kinds: tuple[bool, ...] = ()
-        self.plain = False
+        self.plain = self.fast = False
         # What the first trace's jaxpr said about differentiation holds for its input
         # shapes and dtypes only: a later trace (new shapes) is checked (`_holds`), and
         # the signatures where it does not hold are refused (`fits`) for another entry.
@@ -143,8 +142,7 @@ class Entry:
         if self.program == CALL:
             self.a_links = links(cl_uniq, a_uniq)
         self._pick_wrt = picker(self.wrt)
-        self._wrt_dtypes = self._dtypes(dyn)
-        self._wrt_kinds = tuple(map(is_inexact, self._wrt_dtypes))
+        self._wrt_kinds = tuple(map(is_inexact, dtypes(self._pick_wrt(dyn))))
         # Explicit mode with no array captured twice, differentiating every argument
         # array: `matches` and `fits` then reduce to two checks (`_cache._lookup`).
         self.plain = (
@@ -153,30 +151,24 @@ class Entry:
             and self.cl_slots is None
             and self.wrt == tuple(range(self.n_cl, len(dyn)))
         )
+        # ...and a gradient on one device: `run_plain` runs it in one step.
+        self.fast = self.plain and self.program == GRAD and not self._multi
         self._build()
         return dyn
 
-    def _dtypes(self, dyn: Sequence[Any]) -> tuple[Any, ...]:
-        return dtypes(self._pick_wrt(dyn))
-
     def fits(self, dyn: list[Any]) -> bool:
-        """Whether these inputs are differentiable at the places the first call's were,
-        and (`tg.jit`) an argument is the closure's array where the first call's was.
+        """Whether this entry takes these inputs: not of a signature it refused, and
+        (`tg.jit`) an argument is the closure's array where the first call's was.
 
-        `active` (what the program differentiates) was read from the first call's
-        dtypes; jax traces a new dtype again but keeps the entry, so an integer
-        array where a float one was (or back) needs an entry of its own.
+        A signature is refused when its trace reads differentiation otherwise than
+        the first (`_reread`), or when an integer array comes where a float one was
+        (or back): what the program differentiates was read from the first call's
+        dtypes. jax traces each new dtype, so that is checked while tracing (`_make`).
         """
         if self._refused and signature(dyn) in self._refused:
             return False
         if self.program == CALL:
             return links(dyn[: self.n_cl], dyn[self.n_cl :]) == self.a_links
-        dtypes = self._dtypes(dyn)
-        if dtypes == self._wrt_dtypes:  # the usual case: compared by identity, in C
-            return True
-        if tuple(map(is_inexact, dtypes)) != self._wrt_kinds:
-            return False
-        self._wrt_dtypes = dtypes  # float32 to bfloat16, say: the same places
         return True
 
     def _build(self) -> None:
@@ -199,7 +191,14 @@ class Entry:
         def program(*dyn: Any) -> Any:
             self.retraced = True  # runs only when jax traces: new shapes, or a new jit
             n = len(dyn) - n_extra
-            return self._flat_out(trace(self, list(dyn[:n]), dyn[n:], placed))
+            inputs = list(dyn[:n])
+            kinds = tuple(map(is_inexact, dtypes(self._pick_wrt(inputs))))
+            if self._wrt_kinds and kinds != self._wrt_kinds:
+                # An integer array where a float one was (or back): what the program
+                # differentiates was read from the first call's dtypes. Checked here, as
+                # jax traces each new dtype, so that no call pays for it.
+                self._refuse(inputs)
+            return self._flat_out(trace(self, inputs, dyn[n:], placed))
 
         return jax.jit(program, **self._jit_kwargs)
 
@@ -386,19 +385,57 @@ class Entry:
         self.cacheable = False
 
     def run(self, roots: tuple[Any, ...], dyn: list[Any]) -> Any:
+        """Call the program; returns `(deps, packed, grads)`."""
         self.stack.append(roots)
         try:
             # On one device there is one program (`compiled` picks one per placement).
             program = self.compiled(dyn) if self._multi else self.jitted
             out = program(*dyn, cotangent()) if self.program == GRAD else program(*dyn)
             if self.retraced:
-                self.retraced = False
-                if self._analysed and not self._holds(dyn):
-                    self._refused.add(signature(dyn))
-                    self.plain = False  # `fits` must see the refusal
-                    raise Refit
+                self._reread(dyn)
         finally:
             self.stack.pop()
+        return self._unpack(roots, out)
+
+    def run_plain(self, roots: tuple[Any, ...], a_uniq: list[Any]) -> Any:
+        """`run` for the usual explicit gradient (`fast`), guard and all, in one step;
+        None when the call is not this entry's (another guard, tied captured arrays,
+        a trace that reads differentiation otherwise)."""
+        cl = self.guard.check(*roots)
+        if cl is None or len(set(map(id, cl))) != len(cl):
+            return None
+        dyn = cl + a_uniq
+        self.stack.append(roots)
+        try:
+            out = self.jitted(*dyn, cotangent())
+            if self.retraced:
+                self._reread(dyn)
+        except Refit:
+            return None
+        finally:
+            self.stack.pop()
+        sig = self.out_sig
+        if type(out) is not list or sig is None or sig[1] or self.demoted:
+            return self._unpack(roots, out)  # outputs written back, or of another form
+        grads, arrays, _ = out
+        shape = self._grad_shape or self._make_grad_shape()
+        return None, Packed(arrays, sig[0]), shape.unflatten(grads)
+
+    def _reread(self, dyn: list[Any]) -> None:
+        """After jax traced the program again (new shapes or dtypes): check that what
+        the first trace said about differentiation holds for it."""
+        self.retraced = False
+        if self._analysed and not self._holds(dyn):
+            self._refuse(dyn)
+
+    def _refuse(self, dyn: list[Any]) -> None:
+        self._refused.add(signature(dyn))
+        self.plain = self.fast = False  # `fits` must see the refusal
+        raise Refit
+
+    def _unpack(self, roots: tuple[Any, ...], out: Any) -> Any:
+        """The program's outputs as `(deps, packed, grads)`, with any array the function
+        rebound in its captured containers written back."""
         if self.demoted:
             self.demoted = False
             self.guard = Guard(self.nodes, self.absolute)
@@ -421,8 +458,7 @@ class Entry:
             if written.places:
                 self._write_back(roots, written)
         if self.program == GRAD and not self.implicit:
-            # `_grad_tree`, inline: this runs on every call.
-            grads = (self._grad_shape or self._make_grad_shape()).unflatten(grads)
+            grads = self._grad_tree(grads)
         return deps, packed, grads
 
     def _grad_tree(self, grads: list[Any]) -> Any:

@@ -441,6 +441,36 @@ def _run(
     return m_leaves, params, new_params, leaves, config
 
 
+def _update_plain(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any] | None:
+    """`update` of the usual step in one go, or None for `_run` to check and run it.
+
+    The usual step: every leaf of the model its own trainable parameter, none
+    frozen, none held twice, on one device; the gradient tree of the model's own
+    structure with an array at every leaf (the generated flatten sees to that).
+    A step that fails is run again by `_run`, which says what is wrong: the
+    step changes nothing, so running it twice loses nothing.
+    """
+    config = state._config
+    shape = config._shape
+    if shape is None or not config.plain or config.kept or several_devices():
+        return None
+    params = shape.flatten(model)
+    if params is None or len(set(map(id, params))) != len(params):
+        return None
+    g = shape.flatten(grads)
+    if g is None:
+        return None
+    _check_rules(config)
+    present = config.present_all(bool(params) and is_tracer(params[0]))
+    try:
+        leaves, new = _optstep.step(
+            config, None, state._leaves, tuple(params), (), tuple(g), present
+        )
+    except (TypeError, ValueError, RuntimeError):  # the checked path makes the message
+        return None
+    return OptState(config, leaves), shape.unflatten(new)
+
+
 def update(
     state: OptState, model: Any, grads: Any, *, donate: bool = False
 ) -> tuple[OptState, Any]:
@@ -471,6 +501,10 @@ def update(
         >>> model["w"]
         Array([0.8, 1.6], dtype=float32)
     """
+    if type(state) is OptState and not donate:
+        done = _update_plain(state, model, grads)
+        if done is not None:
+            return done
     state = _check_state(state, "tg.update")
     model = _source(model)
     m_leaves, params, new_params, leaves, config = _run(
