@@ -2,11 +2,12 @@
 
 A call of a function seen before takes the cached fast paths: `_cache.execute` reads
 the arguments with the structure's generated code (`_fasttree.Shape.flatten`) and
-`_cache._lookup` runs the usual explicit call (`Entry.plain`: distinct captured
-arrays, the first call's argument dtypes) without `Entry.matches`/`Entry.fits`;
-`tg.update`/`tg.update_` read a gradient tree of the model's own structure inline
-(`_optim._run`). Here the SAME code object is called again and again (each lambda is
-written once, inside a helper) while the user changes things between calls: ties
+runs the usual explicit gradient in one step (`Entry.run_plain`: distinct captured
+arrays, a dtype kind the program was traced for) without `Entry.matches`/`Entry.fits`;
+`tg.update` runs the usual step in one (`_optim._update_plain`) and `tg.update_`
+reads a gradient tree of the model's own structure inline (`_optim._run`). Here the
+SAME code object is called again and again (each lambda is written once, inside a
+helper) while the user changes things between calls: ties
 made and broken, dtypes cycled, numpy and Python scalars where arrays were, models
 edited in place, gradient trees edited after `tg.gradient` returned them, two
 models and two gradient styles interleaved. Every result is compared with an
