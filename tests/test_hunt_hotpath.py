@@ -7,9 +7,9 @@ arrays, a dtype kind the program was traced for) without `Entry.matches`/`Entry.
 `tg.update` runs the usual step in one (`_optim._update_plain`) and `tg.update_`
 reads a gradient tree of the model's own structure inline (`_optim._run`). Here the
 SAME code object is called again and again (each lambda is written once, inside a
-helper) while the user changes things between calls: ties
-made and broken, dtypes cycled, numpy and Python scalars where arrays were, models
-edited in place, gradient trees edited after `tg.gradient` returned them, two
+helper) while the user changes things between calls: ties made and broken, dtypes
+cycled, numpy and Python scalars where arrays were, models edited in place, gradient
+trees edited after `tg.gradient` returned them, two
 models and two gradient styles interleaved. Every result is compared with an
 independent reference (`jax.value_and_grad` of the same function, or plain optax
 run by hand), and trace counters check that an unchanged call does not trace again.
