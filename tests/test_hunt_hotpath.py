@@ -1,20 +1,19 @@
 """Hunt: silent wrong results on the second and later calls of the same code (the fast paths).
 
-A call of a function seen before takes the cached fast paths: `_cache.execute` reads
-the arguments with the structure's generated code (`_fasttree.Shape.flatten`) and
-runs the usual explicit gradient in one step (`Entry.run_plain`: distinct captured
-arrays, a dtype kind the program was traced for) without `Entry.matches`/`Entry.fits`;
-`tg.update` runs the usual step in one (`_optim._update_plain`) and `tg.update_`
-reads a gradient tree of the model's own structure inline (`_optim._run`). Here the
-SAME code object is called again and again (each lambda is written once, inside a
-helper) while the user changes things between calls: ties made and broken, dtypes
-cycled, numpy and Python scalars where arrays were, models edited in place, gradient
-trees edited after `tg.gradient` returned them, two
-models and two gradient styles interleaved. Every result is compared with an
-independent reference (`jax.value_and_grad` of the same function, or plain optax
-run by hand), and trace counters check that an unchanged call does not trace again.
-The four defects this hunt found are fixed; each test that found one says so
-("Was a bug").
+A call of a function seen before takes the cached fast paths: `_cache.execute` reads the
+arguments with the structure's generated code (`_fasttree.Shape.flatten`) and runs the
+usual explicit gradient in one step (`Entry.run_plain`: distinct captured arrays, a
+dtype kind the program was traced for) without `Entry.matches`/`Entry.fits`; `tg.update`
+runs the usual step in one (`_optim._update_plain`) and `tg.update_` reads a gradient
+tree of the model's own structure inline (`_optim._run`). Here the SAME code object is
+called again and again (each lambda is written once, inside a helper) while the user
+changes things between calls: ties made and broken, dtypes cycled, numpy and Python
+scalars where arrays were, models edited in place, gradient trees edited after
+`tg.gradient` returned them, two models and two gradient styles interleaved. Every
+result is compared with an independent reference (`jax.value_and_grad` of the same
+function, or plain optax run by hand), and trace counters check that an unchanged call
+does not trace again. The four defects this hunt found are fixed; each test that found
+one says so ("Was a bug").
 """
 
 from __future__ import annotations
