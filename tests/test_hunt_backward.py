@@ -14,6 +14,9 @@ import pytest
 
 import treegrad as tg
 
+# The default run stays under 3 minutes; CI runs this file in the slow run.
+pytestmark = pytest.mark.slow
+
 X = jnp.array([1.0, 2.0])
 Y = jnp.array([3.0, -1.0])
 ONES = jnp.ones(2)

@@ -32,6 +32,9 @@ from treegrad import nn
 
 from .helpers import assert_trees_close, mse
 
+# The default run stays under 3 minutes; CI runs this file in the slow run.
+pytestmark = pytest.mark.slow
+
 X = jnp.array([0.5, -1.0, 2.0])
 W = jnp.array([1.0, 2.0, 3.0])
 Z = jnp.array([1.0 + 2.0j, 3.0 - 1.0j], jnp.complex64)

@@ -31,6 +31,9 @@ import pytest
 import treegrad as tg
 from treegrad import datasets, nn
 
+# The default run stays under 3 minutes; CI runs this file in the slow run.
+pytestmark = pytest.mark.slow
+
 K = jax.random.key(0)
 
 

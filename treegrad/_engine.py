@@ -17,12 +17,14 @@ A call goes through four named steps (steps 2 and 4 are in `_cache.py`):
    not depend on are left out of differentiation (their gradient is `None`),
    and arrays captured where the walk could not see are reported. A later
    trace of the entry (new shapes or dtypes) is read again: one that says
-   otherwise sends the call to an entry of its own (`Refit`).
+   otherwise, or an integer array where a float one was (or back), sends the
+   call to an entry of its own (`Refit`).
 4. `Entry.run` calls the compiled program with the arrays and writes back any
    array the function rebound in its captured containers (an in-place update
    inside a compiled step), so the user sees what an uncompiled run would leave.
    Gradients and outputs come back as flat lists (jax rebuilds those in C) and
-   are put into their trees by generated code (`Entry._flat_out`).
+   are put into their trees by generated code (`Entry._flat_out`). The usual
+   explicit gradient runs steps 2 and 4 in one (`Entry.run_plain`).
 
 While tracing, the tracers are put into the user's own places (`_guard.Swap`)
 and taken out again afterwards, so the function runs on its real objects.
