@@ -86,8 +86,8 @@ def execute(
         if leaves is not None:
             if slots is None and len(set(map(id, leaves))) == len(leaves):
                 # No tied arrays: the usual case; the usual explicit gradient in one step.
-                first = last[0] if last else None
-                if first is not None and first.fast and params is None:
+                if last and last[0].fast and params is None:
+                    first = last[0]
                     out = first.run_plain(roots, leaves)
                     if out is not None:
                         _LRU.move_to_end(id(first))

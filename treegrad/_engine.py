@@ -146,7 +146,7 @@ class Entry:
         self._pick_wrt = picker(self.wrt)
         self._wrt_kinds = tuple(map(is_inexact, dtypes(self._pick_wrt(dyn))))
         # Explicit mode with no array captured twice, differentiating every argument
-        # array: `matches` and `fits` then reduce to two checks (`_cache._lookup`).
+        # array: `matches` and `fits` then reduce to one tie check (`_cache._lookup`).
         self.plain = (
             params is None
             and self.program != CALL
@@ -194,11 +194,12 @@ class Entry:
             self.retraced = True  # runs only when jax traces: new shapes, or a new jit
             n = len(dyn) - n_extra
             inputs = list(dyn[:n])
-            kinds = tuple(map(is_inexact, dtypes(self._pick_wrt(inputs))))
-            if self._wrt_kinds and kinds != self._wrt_kinds:
-                # An integer array where a float one was (or back): what the program
-                # differentiates was read from the first call's dtypes. Checked here, as
-                # jax traces each new dtype, so that no call pays for it.
+            # An integer array where a float one was (or back): what the program
+            # differentiates was read from the first call's dtypes. Checked here, as
+            # jax traces each new dtype, so that no call pays for it.
+            if self._wrt_kinds and self._wrt_kinds != tuple(
+                map(is_inexact, dtypes(self._pick_wrt(inputs)))
+            ):
                 self._refuse(inputs)
             return self._flat_out(trace(self, inputs, dyn[n:], placed))
 
