@@ -75,13 +75,23 @@ class Jitted:
         if not callable(fn):
             raise TypeError(f"tg.jit expects a function, got {type(fn).__name__} {fn!r:.60}.")
         self.__wrapped__ = fn
-        self._static = _int_tuple(static_argnums, "static_argnums")
-        self._static_names = _str_tuple(static_argnames, "static_argnames")
-        self._donate = _int_tuple(donate_argnums, "donate_argnums")
-        self._donate_names = _str_tuple(donate_argnames, "donate_argnames")
+        self._signature = _signature(fn)
+        self._static, self._static_names = _resolve(
+            fn,
+            self._signature,
+            _int_tuple(static_argnums, "static_argnums"),
+            _str_tuple(static_argnames, "static_argnames"),
+            "static",
+        )
+        self._donate, self._donate_names = _resolve(
+            fn,
+            self._signature,
+            _int_tuple(donate_argnums, "donate_argnums"),
+            _str_tuple(donate_argnames, "donate_argnames"),
+            "donate",
+        )
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
-        self._signature = _signature(fn)
         self._plain = not (self._static or self._static_names)
         self._options = ((), self._out_shardings is not UNSET)
         functools.update_wrapper(self, fn)
@@ -109,9 +119,18 @@ class Jitted:
             and (_NOT_FUNCTIONS.issuperset(map(type, args)) or not any(map(_is_function, args)))
         ):
             # No static or callable argument (a training step): the arguments as given.
-            _, (_, packed, _) = C.execute(
-                P.CALL, "tg.jit", self._options, (self.__wrapped__,), (args, {}), make=self._entry
-            )
+            try:
+                _, (_, packed, _) = C.execute(
+                    P.CALL,
+                    "tg.jit",
+                    self._options,
+                    (self.__wrapped__,),
+                    (args, {}),
+                    make=self._entry,
+                )
+            except ValueError:
+                _check_deleted(args, kwargs)
+                raise
             return packed.value()
         fn = self.__wrapped__
         static: list[Any] = []
@@ -141,9 +160,13 @@ class Jitted:
         def make(call: E.Call) -> E.Entry:
             return self._new_entry(call, options, static)
 
-        _, (_, packed, _) = C.execute(
-            P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
-        )
+        try:
+            _, (_, packed, _) = C.execute(
+                P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
+            )
+        except ValueError:
+            _check_deleted(args, kwargs)
+            raise
         return packed.value()
 
     def _owners(self, entry: E.Entry) -> list[Any]:
@@ -203,6 +226,59 @@ def _is_function(a: Any) -> bool:
         return True
     _NOT_FUNCTIONS.add(t)
     return False
+
+
+def _check_deleted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """After XLA refused a call: name an argument holding an array already deleted
+    (donated to an earlier call), instead of XLA's 'Invalid buffer'."""
+    for where, value in [*enumerate(args), *kwargs.items()]:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise RuntimeError(
+                    f"tg.jit: argument {where!r}{jax.tree_util.keystr(path)} holds an array "
+                    "that was deleted: it was donated to an earlier call (donate_argnums "
+                    "or donate_argnames). Pass the arrays that call returned, not the "
+                    "donated ones."
+                ) from None
+
+
+def _resolve(
+    fn: Any, sig: inspect.Signature | None, nums: tuple[int, ...], names: tuple[str, ...], what: str
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """`{what}_argnums` and `{what}_argnames` checked against `fn`'s signature and
+    completed from each other, as `jax.jit` does: an argument named static is
+    static when passed by position too. A position or name that is no argument
+    of `fn` (a typo, a negative index never matched) is refused: ignored, it
+    would silently trace what the user meant to keep static, or keep a buffer."""
+    if sig is None:  # a builtin or other callable without a signature: as given
+        return nums, names
+    params = list(sig.parameters.values())
+    kind = inspect.Parameter
+    positional = [
+        p.name for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
+    ]
+    by_name = [p.name for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)]
+    var_pos = any(p.kind is kind.VAR_POSITIONAL for p in params)
+    var_kw = any(p.kind is kind.VAR_KEYWORD for p in params)
+    name = getattr(fn, "__qualname__", repr(fn))
+    out: list[int] = []
+    for i in nums:
+        j = i + len(positional) if i < 0 and not var_pos else i
+        if j < 0 or (j >= len(positional) and not var_pos):
+            raise ValueError(
+                f"tg.jit: {what}_argnums={i} names no argument: {name}{sig} takes "
+                f"{len(positional)} positional argument(s). Count from 0."
+            )
+        out.append(j)
+    for n in names:
+        if n not in by_name and not var_kw:
+            raise ValueError(
+                f"tg.jit: {what}_argnames={n!r} names no argument of {name}{sig}; "
+                f"its arguments by name are {by_name}."
+            )
+    out += [positional.index(n) for n in names if n in positional]
+    more = [positional[j] for j in out if j < len(positional) and positional[j] in by_name]
+    return tuple(dict.fromkeys(out)), tuple(dict.fromkeys((*names, *more)))
 
 
 def _signature(fn: Any) -> inspect.Signature | None:

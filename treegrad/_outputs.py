@@ -11,6 +11,7 @@ import numpy as np
 
 from ._fasttree import TAKE, Shape
 from ._grads import Grads
+from ._params import Params
 from ._paths import get_at, put_at
 from ._tree import functor, unique_by_id
 
@@ -138,6 +139,8 @@ def split_output(out: Any) -> tuple[list[Any], _Aux]:
         else:
             if type(leaf) is Grads:
                 raise _grads_out()
+            if type(leaf) is Params:
+                raise _params_out()
             statics.append(leaf)
     return arrays, _Aux(treedef, tuple(statics), shared=shared_nodes(out))
 
@@ -178,6 +181,16 @@ def _grads_out() -> TypeError:
         "arrays themselves, traced inside the function. Return grads.to_tree(model) (the "
         "explicit gradient tree) or grads.named() instead, or apply the step inside the "
         "compiled function with tg.update_(state, ps, grads)."
+    )
+
+
+def _params_out() -> TypeError:
+    # Params holds the arrays themselves, traced inside the compiled function: carried
+    # out as static data it would hand back tracers, and every gradient would be None.
+    return TypeError(
+        "tg.jit: the compiled function returns a tg.Params, which holds the arrays "
+        "themselves, traced inside the function. Return the model and call "
+        "tg.params(model) on the returned model, outside the compiled function."
     )
 
 

@@ -6,6 +6,7 @@ plain call).
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +91,9 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
             try:
                 if entry.program == CALL:
                     pos, kw = args
+                    kept = _ArgsKept(entry.api, args)
                     out = _call_with_roots(entry, fns, pos, kw)
+                    kept.check(out)
                 else:
                     out = fns[0](*args)
             except _TRACE_ERRORS as e:
@@ -123,6 +126,64 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 inner.restore()
 
     return call
+
+
+class _ArgsKept:
+    """tg.jit's arguments are values, as with `jax.jit`: the function gets its own
+    copy of each pytree argument. An array it assigns into that copy and does not
+    return would be lost (`tg.update_` on an optimiser state passed as an
+    argument: the step would train without the state ever advancing), and one it
+    stores in a plain object, passed by reference as static data, would leak a
+    tracer into the caller's object. Both are refused while tracing, with how to
+    write the step instead; no call pays for the check."""
+
+    def __init__(self, api: str, args: Any):
+        self.api = api
+        self.args = args
+        self.before = jax.tree_util.tree_leaves(args)
+        # Plain objects (not pytrees) travel by reference: their attributes, shallowly.
+        self.objects = [
+            (i, leaf, dict(vars(leaf)))
+            for i, leaf in enumerate(self.before)
+            if type(leaf).__module__ not in _LIBRARY_MODULES
+            and not isinstance(
+                leaf, (type, types.FunctionType, types.ModuleType, functools.partial)
+            )
+            and isinstance(getattr(leaf, "__dict__", None), dict)
+        ]
+
+    def check(self, out: Any) -> None:
+        for _, obj, attrs in self.objects:
+            stored = [k for k, v in vars(obj).items() if is_tracer(v) and attrs.get(k) is not v]
+            if stored:
+                vars(obj).clear()
+                vars(obj).update(attrs)  # the caller's object as it was
+                raise TypeError(
+                    f"{self.api}: the function stores a traced array in attribute "
+                    f"{stored[0]!r} of an argument of type {type(obj).__name__}, which is not "
+                    "a pytree and so is passed as static data, by reference: the array would "
+                    "leak out of the compiled function. Let the function capture the object "
+                    "instead of taking it as an argument (tg.jit then writes its arrays back), "
+                    "make it a tg.Module, or return the new array."
+                )
+        seen = {id(a) for a in self.before}
+        new = [a for a in jax.tree_util.tree_leaves(self.args) if id(a) not in seen]
+        returned = {id(a) for a in jax.tree_util.tree_leaves(out)}
+        lost = [a for a in new if is_tracer(a) and id(a) not in returned]
+        if lost:
+            raise TypeError(
+                f"{self.api}: the function assigns new arrays into one of its arguments "
+                "(e.g. tg.update_ on an optimiser state or model passed as an argument) and "
+                "does not return them. Arguments are values, as with jax.jit: the change "
+                "would be lost, and the caller's object would not advance. Return the "
+                "changed argument and use the returned one (or the pure tg.update), or let "
+                "the function capture the object instead of taking it as an argument "
+                "(tg.jit writes captured arrays back)."
+            )
+
+
+# Types whose instances are never a user's plain object holding arrays.
+_LIBRARY_MODULES = frozenset({"builtins", "numpy", "jaxlib.xla_extension", "jaxlib._jax"})
 
 
 def _call_with_roots(entry: Entry, fns: list[Any], pos: tuple[Any, ...], kw: dict[str, Any]) -> Any:
