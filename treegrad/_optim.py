@@ -32,7 +32,7 @@ from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState
 from ._params import Params
 from ._paths import rebind
-from ._tree import describe_leaf, first_difference, is_none, tree_map_shared
+from ._tree import describe_leaf, first_difference, is_differentiable, is_none, tree_map_shared
 from ._walk import node_types
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -115,9 +115,16 @@ def _by_path_if_only_static_differs(model: Any, grads: Any) -> list[Any] | None:
 def _only_static_changed(config: _Config, model: Any, m_def: Any) -> bool:
     """Whether `model` differs from the state's structure in static data only: the same
     leaves at the same paths, in containers of the same kinds."""
-    if m_def.num_leaves != config.treedef.num_leaves or first_difference(model, config.layout):
+    if m_def.num_leaves != config.treedef.num_leaves:
         return False
-    return list(node_types(m_def)) == list(node_types(config.treedef))
+    # A static attribute set to None (an activation removed), or a None set to one,
+    # changes no parameter: None is an empty child of a Module, not static data, so
+    # it is left out of both the leaves' paths and the node kinds compared.
+    paths = [k for k, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
+    if paths != [k for k, _ in jax.tree_util.tree_flatten_with_path(config.layout)[0]]:
+        return False
+    kinds = [t for t in node_types(m_def) if t is not type(None)]
+    return kinds == [t for t in node_types(config.treedef) if t is not type(None)]
 
 
 def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
@@ -243,6 +250,21 @@ def _inputs(
         # read a second time.
         filled[k] = jnp.zeros(x.shape, x.dtype) if donate else x
     return tuple(filled), config.present(missing, tracing)
+
+
+def _check_became_trainable(config: _Config, m_leaves: list[Any], api: str) -> None:
+    """A place that held no floating-point array at setup (an integer array, a Python
+    number) and holds one now has no optimiser state: its gradient would be dropped
+    and the array never trained, without a word."""
+    for p, x in zip(config.undiff, config.pick_undiff(m_leaves), strict=True):
+        if is_differentiable(x):
+            raise ValueError(
+                f"{api}: '{config.paths[p]}' is {describe_leaf(x)}, a trainable array, but "
+                "was not floating-point when the optimiser state was set up, so it has no "
+                "optimiser state and would never be trained. Set the state up again for "
+                "the changed model (tg.setup(rule, model)), or assign a value of the "
+                "old kind if it is not to be trained."
+            )
 
 
 def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: str) -> None:
@@ -383,6 +405,8 @@ def _run(
             # the model's structure from now on (a pure update returns it so).
             config = config.with_treedef(m_def)
         config.shape(m_leaves)
+    if config.undiff:
+        _check_became_trainable(config, m_leaves, api)
     if in_place:
         _check_rebindable(config, model, api)
     params = m_leaves if config.plain else config.pick_first(m_leaves)

@@ -82,9 +82,10 @@ class _Config:
     """Everything static about an optimiser state; the `OptState` pytree's aux data.
 
     `slots[p]` is the parameter at model leaf position `p` (an index into the
-    model's distinct trainable arrays, shared by the places of a tied array)
-    or -1; `owner[i]` the part that updates parameter `i`; `frozen` the
-    parameters no part updates.
+    model's distinct trainable arrays, shared by the places of a tied array),
+    -2 at a trainable place that held no floating-point array at setup (an
+    integer array, a Python number), or -1; `owner[i]` the part that updates
+    parameter `i`; `frozen` the parameters no part updates.
     """
 
     __slots__ = (
@@ -110,6 +111,7 @@ class _Config:
         "pick_first",
         "pick_kept",
         "pick_trainable",
+        "pick_undiff",
         "pick_updated",
         "plain",
         "slots",
@@ -117,6 +119,7 @@ class _Config:
         "tpos",
         "treedef",
         "tslot",
+        "undiff",
         "updated",
     )
 
@@ -158,6 +161,10 @@ class _Config:
         self.pick_first = picker(self.first)
         self.pick_updated = picker(self.updated)
         self.pick_kept = picker(self.kept)
+        # Places that may be trained but were not floating-point at setup: one that
+        # becomes so has no optimiser state and would silently never be trained.
+        self.undiff = tuple(p for p, s in enumerate(slots) if s == -2)
+        self.pick_undiff = picker(self.undiff)
         offsets = [0]
         for part in parts:
             offsets.append(offsets[-1] + part.state_def.num_leaves)
@@ -519,15 +526,14 @@ def trainable_slots(model: Any) -> tuple[list[Any], Any, list[int], list[Any]]:
 
     Returns `(leaves, treedef, slots, uniq)`: `slots[p]` is the index in
     `uniq` of the array at leaf position `p` (the same for every place of a
-    tied array), or -1 where the optimiser does not train the leaf.
+    tied array); -2 where the leaf may be trained but is not floating-point (an
+    integer array, a Python number), -1 where it is not to be trained.
     """
     leaves, treedef = jax.tree_util.tree_flatten(model)
-    trainable = {
-        id(leaf) for _, leaf in trainable_leaves_with_path(model) if is_differentiable(leaf)
-    }
-    tpos = [p for p, leaf in enumerate(leaves) if id(leaf) in trainable]
+    places = {id(leaf) for _, leaf in trainable_leaves_with_path(model)}
+    tpos = [p for p, leaf in enumerate(leaves) if id(leaf) in places and is_differentiable(leaf)]
     uniq, tslots = unique_by_id(leaves[p] for p in tpos)
-    slots = [-1] * len(leaves)
+    slots = [-2 if id(leaf) in places else -1 for leaf in leaves]
     for p, s in zip(tpos, tslots, strict=True):
         slots[p] = s
     return leaves, treedef, slots, uniq

@@ -26,7 +26,7 @@ import optax
 from ._layout import constrain
 from ._optstate import _Config
 from ._optview import rule_name
-from ._tree import describe_leaf
+from ._tree import describe_leaf, is_inexact
 
 # The TypeError of a call missing keyword-only arguments, and their names.
 _EXTRA_ARGS = re.compile(
@@ -72,12 +72,25 @@ def shape_changed(path: str, x: Any, shape: tuple[int, ...], dtype: Any) -> str:
 
 
 def _check_shapes(config: _Config, params: list[Any]) -> None:
-    """A parameter with state entries of its own has the shape it was set up with.
+    """A parameter with state entries of its own has the shape it was set up with, and
+    every updated parameter is still floating-point (or still not).
 
     Checked while tracing (free on later calls): optax would broadcast a new
     shape against the old-shaped moments and return the old shape, silently. A
     rule that keeps nothing per parameter (plain sgd) takes any shape, as in optax.
     """
+    for i in config.updated:
+        # An integer array where a float parameter was (or back): optax would step it
+        # and the result be truncated to the integer dtype, without a word.
+        shape, dtype = config.avals[i]
+        if is_inexact(params[i].dtype) != is_inexact(dtype):
+            path = config.paths[config.first[i]]
+            raise BadGradient(
+                f"'{path}' is {describe_leaf(params[i])} but was "
+                f"{jnp.dtype(dtype).name}{list(shape)} when the optimiser state was set up: "
+                "only a floating-point array is trained. Set the state up again for the "
+                "changed model (tg.setup(rule, model)), or assign an array of the old dtype."
+            )
     for part in config.parts:
         for local in part.statemap:
             if local < 0:
