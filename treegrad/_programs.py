@@ -145,7 +145,8 @@ class _ArgsKept:
         self.objects = [
             (i, leaf, dict(vars(leaf)))
             for i, leaf in enumerate(self.before)
-            if type(leaf).__module__ not in _LIBRARY_MODULES
+            if not is_tracer(leaf)
+            and type(leaf).__module__ not in _LIBRARY_MODULES
             and not isinstance(
                 leaf, (type, types.FunctionType, types.ModuleType, functools.partial)
             )
