@@ -142,9 +142,9 @@ class _ArgsKept:
         self.args = args
         self.before = jax.tree_util.tree_leaves(args)
         # Plain objects (not pytrees) travel by reference: their attributes, shallowly.
-        self.objects = [
-            (i, leaf, dict(vars(leaf)))
-            for i, leaf in enumerate(self.before)
+        self.objects: list[tuple[Any, dict[str, Any]]] = [
+            (leaf, dict(vars(leaf)))
+            for leaf in self.before
             if not is_tracer(leaf)
             and type(leaf).__module__ not in _LIBRARY_MODULES
             and not isinstance(
@@ -154,7 +154,7 @@ class _ArgsKept:
         ]
 
     def check(self, out: Any) -> None:
-        for _, obj, attrs in self.objects:
+        for obj, attrs in self.objects:
             stored = [k for k, v in vars(obj).items() if is_tracer(v) and attrs.get(k) is not v]
             if stored:
                 vars(obj).clear()
