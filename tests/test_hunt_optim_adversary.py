@@ -34,7 +34,7 @@ import treegrad as tg
 from treegrad import nn
 
 from .helpers import restore_own_entries
-from .test_hunt_optim import assert_unchanged, snapshot, start
+from .test_hunt_optim import assert_unchanged, grads_for, snapshot, start
 
 pytestmark = pytest.mark.slow
 
@@ -85,18 +85,6 @@ def same_bits(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def grads_at(params, i, present="abc"):
-    return {
-        k: (
-            jnp.full_like(v, 0.3 * (i + 1))
-            + 0.1 * jnp.arange(v.size, dtype=v.dtype).reshape(v.shape)
-            if k in present
-            else None
-        )
-        for k, v in params.items()
-    }
-
-
 # ==========================================================================================
 # None gradients: the whole tree
 # ==========================================================================================
@@ -110,8 +98,10 @@ def test_a_gradient_tree_that_is_none_skips_everything_and_the_count_advances(st
     state = tg.setup(rule(), model)
     opt = rule()
     for i, whole_none in enumerate([False, True, True, False]):
-        g = None if whole_none else grads_at(ref, i)
-        ref, ref_state = ref_jit(opt, ref_state, ref, grads_at(ref, i, "" if whole_none else "abc"))
+        g = None if whole_none else grads_for(ref, "abc", i)
+        ref, ref_state = ref_jit(
+            opt, ref_state, ref, grads_for(ref, "" if whole_none else "abc", i)
+        )
         before = dict(model)
         if style == "update":
             state, model = tg.update(state, model, g)
@@ -162,7 +152,7 @@ def test_freezing_every_parameter_equals_a_none_tree_and_counts():
     fs, ss = tg.setup(opt, frozen), tg.setup(opt, skipped)
     tg.freeze_(fs)
     for i in range(3):
-        fs, frozen = tg.update(fs, frozen, grads_at(frozen, i))
+        fs, frozen = tg.update(fs, frozen, grads_for(frozen, "abc", i))
         ss, skipped = tg.update(ss, skipped, None)
     same_bits(frozen, start())
     same_bits(fs, ss)
@@ -353,7 +343,7 @@ def test_adjust_mid_run_inside_combinators_equals_editing_the_optax_state(name):
         if i == 3:  # MultiSteps: after an odd number of steps, mid-accumulation
             tg.adjust_(state, **hyper)
             edit(ref_state)
-        g = grads_at(ref, i, present)
+        g = grads_for(ref, present, i)
         ref, ref_state = ref_jit(opt, ref_state, ref, g)
         state, model = tg.update(state, model, g)
         close(model, ref, rtol=1e-5, atol=1e-6)
@@ -445,7 +435,7 @@ def test_checkpoints_mid_accumulation_and_mid_schedule_equal_the_uninterrupted_r
             tg.clear_cache()
             fresh = tree_map(lambda x: x * 0, start())
             model, state = tg.load(where, (fresh, tg.setup(make(), fresh)))
-        g = grads_at(ref, i, present)
+        g = grads_for(ref, present, i)
         ref, ref_state = ref_jit(opt, ref_state, ref, g)
         state, model = tg.update(state, model, g)
     close(model, ref, rtol=1e-5, atol=1e-6)
@@ -488,12 +478,12 @@ def test_a_failed_update_mid_run_changes_nothing_and_the_run_goes_on_like_optax(
     for i in range(5):
         if i in (1, 2, 4):  # mid-accumulation and mid-schedule
             for change, exc, msg in bad:
-                g = {**grads_at(model, i), **change}
+                g = {**grads_for(model, "abc", i), **change}
                 snap = snapshot(state, model)
                 with pytest.raises(exc, match=rf"{api}: .*{msg}"):
                     call(g)
                 assert_unchanged(snap, state, model)
-        g = grads_at(ref, i, "abc" if i % 2 == 0 else "ac")
+        g = grads_for(ref, "abc" if i % 2 == 0 else "ac", i)
         ref, ref_state = ref_jit(opt, ref_state, ref, g)
         call(g)
         close(model, ref, rtol=1e-5, atol=1e-6)
