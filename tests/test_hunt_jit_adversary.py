@@ -14,8 +14,8 @@ import collections
 import dataclasses
 import enum
 import functools
+import logging
 import queue
-import sys
 import warnings
 import weakref
 
@@ -695,28 +695,11 @@ def test_closure_dict_of_layers_reordered_between_calls():
     close(jf(X), fwd(X))  # compiled: still a then b
 
 
-_STDLIB_STALE = (
-    "BUG: a float held by a stdlib object (argparse.Namespace, a make_dataclass "
-    "instance on Python 3.11, UserList, WeakValueDictionary, queue.Queue) edited in place "
-    "is stale under tg.jit: the object is checked by identity only"
-)
-
-
 @pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_STDLIB_STALE))
-        for c in ("argparse", "userlist", "weakvaluedict", "queue")
-    ]
-    # Python 3.12's make_dataclass gives the class the caller's module: read fresh there.
-    + [
-        pytest.param(
-            "make_dataclass",
-            marks=pytest.mark.xfail(sys.version_info < (3, 12), strict=True, reason=_STDLIB_STALE),
-        )
-    ],
+    "case", ["argparse", "make_dataclass", "userlist", "weakvaluedict", "queue", "userstring"]
 )
-def test_values_read_through_stdlib_objects_checked_by_identity(case):
+def test_values_read_through_stdlib_value_holders_are_fresh(case):
+    # Once checked by identity only (a library's object): an edit in place was stale.
     class Box:
         s = 2.0
 
@@ -725,7 +708,7 @@ def test_values_read_through_stdlib_objects_checked_by_identity(case):
         args = argparse.Namespace(lr=2.0)  # hyperparameters from the command line
         read, edit = (lambda: args.lr), (lambda: setattr(args, "lr", 3.0))
     elif case == "make_dataclass":
-        cfg = dataclasses.make_dataclass("Cfg", [("s", float)])(2.0)  # __module__ 'types'
+        cfg = dataclasses.make_dataclass("Cfg", [("s", float)])(2.0)  # 3.11: __module__ 'types'
         read, edit = (lambda: cfg.s), (lambda: setattr(cfg, "s", 3.0))
     elif case == "userlist":
         ul = collections.UserList([2.0])
@@ -733,16 +716,47 @@ def test_values_read_through_stdlib_objects_checked_by_identity(case):
     elif case == "weakvaluedict":
         wv = weakref.WeakValueDictionary({"b": box})
         read, edit = (lambda: wv["b"].s), (lambda: setattr(box, "s", 3.0))
+    elif case == "userstring":
+        us = collections.UserString("double")
+        read, edit = (lambda: 2.0 if us == "double" else 3.0), (lambda: us.__init__("triple"))
     else:
         q = queue.Queue()
         q.put(2.0)
         read, edit = (lambda: q.queue[0]), (lambda: q.queue.__setitem__(0, 3.0))
-    f = lambda x: x * read()
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return x * read()
+
     jf = tg.jit(f)
     x = jnp.array([1.0, 2.0])
-    close(jf(x), f(x))
+    close(jf(x), x * 2.0)
+    close(jf(x), x * 2.0)
+    assert len(traces) == 1  # nothing changed: not traced again
     edit()
-    close(jf(x), f(x))  # compiled: [2, 4], uncompiled [3, 6]
+    close(jf(x), x * 3.0)  # was [2, 4]
+    assert len(traces) == 2
+
+
+def test_a_logger_read_by_the_function_is_not_walked_into():
+    # A library object that is no value holder stays checked by identity: its
+    # internals (a cache of levels, handlers) change without tracing again.
+    log = logging.getLogger("treegrad-test-logger")
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        log.debug("step")
+        return x * 2.0
+
+    jf = tg.jit(f)
+    x = jnp.array([1.0, 2.0])
+    jf(x)
+    log.setLevel(logging.DEBUG)  # clears the logger's level cache
+    log.isEnabledFor(logging.INFO)
+    jf(x)
+    assert len(traces) == 1
 
 
 def test_schedule_reading_a_user_list_through_optax_is_fresh():
@@ -1024,23 +1038,42 @@ def test_params_passed_as_an_argument_to_an_implicit_step_equals_optax():
     close(model, optax_run(ref, optax.adam(1e-2), [(X, Y)] * 3)[0])
 
 
-def test_plain_object_argument_rebound_inside_the_step_is_refused_and_kept():
-    # Once a leaked DynamicJaxprTracer in obj.w.
+def test_plain_object_argument_rebound_inside_the_step_is_written_back():
+    # Once a leaked DynamicJaxprTracer in obj.w; then refused. An argument that is a
+    # plain object is read and written back as a captured one is, as uncompiled.
     class Holder:
         def __init__(self):
             self.w = jnp.ones(3)
 
     def upd(obj, x):
         obj.w = obj.w + x
+        return jnp.sum(obj.w)
+
+    h = Holder()
+    step = tg.jit(upd)
+    close(step(h, jnp.ones(3)), 6.0)
+    assert np.asarray(h.w).tolist() == [2.0, 2.0, 2.0]
+    close(step(h, jnp.ones(3)), 9.0)  # the new h.w is an input, not a constant
+    assert np.asarray(h.w).tolist() == [3.0, 3.0, 3.0]
+    # Captured instead of passed: the same.
+    tg.jit(lambda x: upd(h, x))(jnp.ones(3))
+    assert np.asarray(h.w).tolist() == [4.0, 4.0, 4.0]
+
+
+def test_plain_object_inside_a_pytree_argument_rebound_is_refused_and_kept():
+    # Inside a list, the object is one static leaf of a pytree, passed by reference.
+    class Holder:
+        def __init__(self):
+            self.w = jnp.ones(3)
+
+    def upd(objs, x):
+        objs[0].w = objs[0].w + x
 
     h = Holder()
     with pytest.raises(TypeError, match=r"stores a traced array in attribute 'w'.*Holder"):
-        tg.jit(upd)(h, jnp.ones(3))
+        tg.jit(upd)([h], jnp.ones(3))
     assert not isinstance(h.w, jax.core.Tracer)
     assert np.asarray(h.w).tolist() == [1.0, 1.0, 1.0]
-    # Captured instead of passed, it is written back, as uncompiled.
-    tg.jit(lambda x: upd(h, x))(jnp.ones(3))
-    assert np.asarray(h.w).tolist() == [2.0, 2.0, 2.0]
 
 
 class Trainer:
@@ -1067,16 +1100,12 @@ def test_trainer_method_compiled_through_a_closure_equals_optax():
     close(t.model, optax_run(ref, optax.adam(1e-2), [(X, Y)] * 3)[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a tg.jit method of a plain class (`step = tg.jit(_step)`, self an argument) "
-    "leaks tracers into self.model; the 2nd call fails with a misleading custom_jvp message",
-)
 def test_tg_jit_method_of_a_plain_trainer_class_equals_optax():
+    # Once leaked tracers into self.model (self was static data, by reference).
     t = Trainer()
     ref = copy(t.model)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tg.RetraceWarning)
+        warnings.simplefilter("error", tg.RetraceWarning)  # self's arrays are inputs
         for _ in range(3):
             t.step(X, Y)
     assert no_tracers((t.model, t.state))

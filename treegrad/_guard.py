@@ -137,12 +137,45 @@ def _is_library(obj: Any) -> bool:
     if isinstance(obj, type):
         r = _LIBRARY_CLASSES.get(obj)
         if r is None:
-            r = _LIBRARY_CLASSES[obj] = not any(
+            r = _LIBRARY_CLASSES[obj] = not _made_in_types(obj) and not any(
                 (fn := _code_of(v)) is not None and fn.__code__.co_filename.startswith("<doctest")
                 for v in vars(obj).values()
             )
         return r
     return True
+
+
+def _made_in_types(cls: type) -> bool:
+    """A class made by `types.new_class` (`dataclasses.make_dataclass` on Python 3.11):
+    its `__module__` says "types", but it is the user's, not one of that module's."""
+    return cls.__module__ == "types" and getattr(types, cls.__name__, None) is not cls
+
+
+# Standard-library classes whose instances exist to hold the user's values (parsed
+# command-line options, a list or dict wrapper, a queue): walked as a user object,
+# every attribute, not checked by identity as other library objects are (a logger or
+# a lock, whose changing internals the function does not read). By name, so that
+# none of their modules need be imported.
+_VALUE_HOLDERS = frozenset(
+    {
+        "types.SimpleNamespace",
+        "argparse.Namespace",
+        "collections.UserDict",
+        "collections.UserList",
+        "collections.UserString",
+        "weakref.WeakValueDictionary",
+        "weakref.WeakKeyDictionary",
+        "_weakrefset.WeakSet",
+        "queue.Queue",
+        "queue.LifoQueue",
+        "queue.PriorityQueue",
+    }
+)
+
+
+def holds_user_values(t: type) -> bool:
+    """Whether a library class `t` is one of the standard library's value holders."""
+    return f"{t.__module__}.{t.__qualname__}" in _VALUE_HOLDERS
 
 
 _LIBRARY_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()

@@ -2,7 +2,9 @@
 
 Arguments are flattened: array leaves are traced, every other leaf is static
 and keys the cache. Callable arguments (a loss handed to a compiled step) are
-guarded like the function itself, so the arrays they capture are inputs too.
+guarded like the function itself, so the arrays they capture are inputs too;
+so are plain objects of the user's (`self` of a compiled method, a trainer
+holding a model and its state), read and written back as captured ones are.
 What the function reads from its closure and globals is guarded as in
 `tg.gradient`; arrays it rebinds there (an implicit-style `tg.update_` inside
 the step) are outputs of the compiled call and are written back afterwards.
@@ -24,6 +26,7 @@ from . import _guard as G
 from . import _programs as P
 from ._shard import by_prefix
 from ._tree import value_key
+from ._walk import _slot_names
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
 
@@ -218,14 +221,36 @@ C.MEMOS.append(_NOT_FUNCTIONS)
 
 
 def _is_function(a: Any) -> bool:
-    """Whether an argument is a function (guarded and traced through, not static data)."""
+    """Whether an argument is guarded and traced through like the function itself, not
+    static data: a function, or a plain object of the user's (a trainer holding a model
+    and its state, `self` of a compiled method), read and written back as a captured
+    one is, so that its arrays are inputs and what the function assigns into it lands."""
     t = type(a)
     if t in _NOT_FUNCTIONS:
         return False
-    if issubclass(t, _FUNCTION_TYPES):
+    if t in _ROOT_TYPES or issubclass(t, _FUNCTION_TYPES):
+        return True
+    if _is_plain_object(a):
+        _ROOT_TYPES.add(t)
         return True
     _NOT_FUNCTIONS.add(t)
     return False
+
+
+_ROOT_TYPES: set[type] = set()  # plain objects' classes, as found by `_is_plain_object`
+C.MEMOS.append(_ROOT_TYPES)
+
+
+def _is_plain_object(a: Any) -> bool:
+    """An instance of a user's class that is no pytree: jax would take it for one leaf."""
+    t = type(a)
+    return (
+        not isinstance(a, (type, types.ModuleType))
+        and (not G._is_library(t) or G.holds_user_values(t))
+        and (hasattr(a, "__dict__") or bool(_slot_names(t)))
+        and not G.is_array(a)
+        and not G._is_pytree_node(a)
+    )
 
 
 def _check_deleted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -57,6 +57,7 @@ from ._guard import (
     _is_pytree_node,
     deref,
     holder_kind,
+    holds_user_values,
     is_array,
     is_library_module,
     snapshot,
@@ -367,7 +368,7 @@ class Walk:
         if isinstance(value, threading.local):
             # Its instance dict is the calling thread's: read afresh on each call.
             return self._object(value, path)
-        if _is_library(t) and t is not types.SimpleNamespace:
+        if _is_library(t) and not holds_user_values(t):
             self._library(value)
             self._reads_by_name(value)
             if callable(value):
