@@ -579,6 +579,17 @@ def update_(state: OptState, model: Any, grads: Any) -> None:
             "Module, or use the pure tg.update."
         )
     m_leaves, params, new_params, leaves, config = _run(state, src, grads, api, in_place=True)
+    if _is_tracer_in(new_params) and not _is_tracer_in(params):
+        # Traced results for arrays that are not traced: a transformation of the user's
+        # (jax.jit, jax.vmap) captured the model, so nothing would write the new arrays
+        # back; they would be tracers left in the model and the state.
+        raise TypeError(
+            "tg.update_ inside jax.jit (or another jax transformation) of a model the "
+            "transformation does not trace: the new arrays would be tracers leaking into the "
+            "model and the optimiser state, which are left unchanged. Compile the step with "
+            "tg.jit, which writes the new arrays back; or use the pure "
+            "`state, model = tg.update(state, model, grads)` and return them."
+        )
     if all(map(operator.is_not, params, new_params)):  # every parameter changed: in C
         changed = dict(zip(map(id, params), new_params, strict=True))
     else:
