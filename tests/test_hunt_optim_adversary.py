@@ -381,22 +381,32 @@ def test_bug_adjust_of_a_sub_state_to_its_current_value_changes_nothing():
     close(new, ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the optax idiom state.hyperparams['learning_rate'] = x, written through a "
-    "Leaf's view (state['w'].state.hyperparams), is silently dropped",
-)
-def test_bug_editing_hyperparams_through_the_leaf_view_takes_effect_or_raises():
-    # Repro: st = tg.setup(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), m)
-    #        st["w"].state.hyperparams["learning_rate"] = 1.0   # no error
-    #        tg.update(st, m, {"w": ones})[1]["w"] -> 0.9 (lr 0.1); optax's idiom steps by 1.0.
+def test_editing_hyperparams_through_the_leaf_view_is_refused_with_the_way_to_do_it():
+    # Once silently dropped: st["w"].state.hyperparams["learning_rate"] = 1.0, no error,
+    # and tg.update still stepped by 0.1 where optax's idiom steps by 1.0.
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     model = {"w": jnp.ones(2)}
     state = tg.setup(opt, model)
-    try:
-        state["w"].state.hyperparams["learning_rate"] = jnp.asarray(1.0)
-    except (TypeError, AttributeError):
-        return  # refused out loud: fine
+    hp = state["w"].state.hyperparams
+    words = r"view of one parameter's optimiser state.*change nothing.*tg\.adjust_\(state"
+    for edit in [
+        lambda: hp.__setitem__("learning_rate", jnp.asarray(1.0)),
+        lambda: hp.update(learning_rate=1.0),
+        lambda: hp.pop("learning_rate"),
+        lambda: hp.setdefault("momentum", 0.9),
+        lambda: hp.clear(),
+    ]:
+        with pytest.raises(TypeError, match=words):
+            edit()
+    with pytest.raises(TypeError, match=words):
+        hp |= {"learning_rate": 1.0}
+    # Read, and mapped over, the view is the optax state's values.
+    assert float(state["w"].state.hyperparams["learning_rate"]) == pytest.approx(0.1)
+    doubled = jax.tree.map(lambda x: 2 * x, state["w"].state)
+    assert type(doubled.hyperparams) is dict
+    close(doubled.hyperparams["learning_rate"], jnp.asarray(0.2))
+    # The way the message gives, against optax's idiom on its own state.
+    tg.adjust_(state, learning_rate=1.0)
     ref_state = opt.init(model)
     ref_state.hyperparams["learning_rate"] = jnp.asarray(1.0)
     u, _ = opt.update({"w": jnp.ones(2)}, ref_state, model)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn, Self
 
 import jax
 
@@ -232,7 +232,8 @@ class Leaf:
         config = self._root._config
         k = config.owner[self._i]
         part = config.parts[k]
-        return param_state(part, self._root._part_state(k), part.leaf_ids.index(self._i))
+        view = param_state(part, self._root._part_state(k), part.leaf_ids.index(self._i))
+        return _read_only(view)
 
     @property
     def frozen(self) -> bool:
@@ -255,6 +256,73 @@ class Leaf:
 
 
 jax.tree_util.register_pytree_node(Leaf, lambda v: ((v.state,), None), lambda _, c: next(iter(c)))
+
+
+def _refuse_edit() -> NoReturn:
+    raise TypeError(
+        "state[...].state is a view of one parameter's optimiser state, built on each "
+        "access: editing it (e.g. the optax idiom hyperparams['learning_rate'] = x) would "
+        "change nothing. Use tg.adjust_(state, learning_rate=x), or tg.adjust for a new state."
+    )
+
+
+class _ViewDict(dict[Any, Any]):
+    """A dict inside a `Leaf.state` view (optax's `hyperparams`): the view is built on
+    each access, so an edit of it would change nothing; refused, with the way to do it."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _refuse_edit()
+
+    def __delitem__(self, key: Any) -> None:
+        _refuse_edit()
+
+    # typeshed types dict.__or__ by overloads no refusal can match; `d |= x` must refuse too
+    def __ior__(self, other: Any) -> Self:  # type: ignore[misc]
+        _refuse_edit()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_edit()
+
+    def pop(self, *args: Any) -> Any:
+        _refuse_edit()
+
+    def popitem(self) -> Any:
+        _refuse_edit()
+
+    def clear(self) -> None:
+        _refuse_edit()
+
+    def setdefault(self, *args: Any) -> Any:
+        _refuse_edit()
+
+
+def _keyed_items(d: _ViewDict) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+    keys = tuple(sorted(d))
+    return [(jax.tree_util.DictKey(k), d[k]) for k in keys], keys
+
+
+def _items(d: _ViewDict) -> tuple[list[Any], tuple[Any, ...]]:
+    keys = tuple(sorted(d))
+    return [d[k] for k in keys], keys
+
+
+def _as_dict(keys: tuple[Any, ...], values: Any) -> Any:
+    # What jax builds from a view (tree_map over it) is a new value: a plain dict.
+    return dict(zip(keys, values, strict=True))
+
+
+# Flattened as a dict is (sorted keys), so the view's leaves are those of optax's state.
+jax.tree_util.register_pytree_with_keys(_ViewDict, _keyed_items, _as_dict, flatten_func=_items)
+
+
+def _read_only(view: Any) -> Any:
+    """The view with each dict in it (through tuples and named tuples) a `_ViewDict`."""
+    if type(view) is dict:
+        return _ViewDict({k: _read_only(v) for k, v in view.items()})
+    if isinstance(view, tuple):
+        items = [_read_only(v) for v in view]
+        return type(view)(*items) if hasattr(view, "_fields") else type(view)(items)
+    return view
 
 
 def rule_name(rule: Any) -> str:
