@@ -551,8 +551,9 @@ def _dotted(path):
 @pytest.mark.parametrize("split_first", [False, True])
 def test_freezing_a_sub_state_with_its_own_hyperparameters(name, split_first):
     # Frozen parameters (all of `enc`) count as `None` gradients whether or not
-    # tg.adjust_ (with an unchanged value) gave them a part of their own: a part
-    # made only of frozen parameters still advances its `count`.
+    # tg.adjust_ (to another value and back) gave them a part of their own: a part
+    # made only of frozen parameters still advances its `count`. (An adjust to the
+    # value already there splits nothing.)
     make = FROZEN_PART_RULES[name]
     several = name != "one_parameter"
     enc = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])} if several else jnp.array([1.0])
@@ -565,6 +566,7 @@ def test_freezing_a_sub_state_with_its_own_hyperparameters(name, split_first):
     ref, ref_state = dict(flat), rule.init(flat)
     state = tg.setup(make(), model)
     if split_first:
+        tg.adjust_(state["enc"], learning_rate=2 * LR0)
         tg.adjust_(state["enc"], learning_rate=LR0)
     tg.freeze_(state["enc"])
     for i in range(3):

@@ -350,18 +350,15 @@ def test_adjust_mid_run_inside_combinators_equals_editing_the_optax_state(name):
     close(state, ref_state, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: tg.adjust_ of a sub-state, even to the value it already has, changes a "
-    "clip_by_global_norm run: the norm is then taken per part, not over the whole model",
-)
-def test_bug_adjust_of_a_sub_state_to_its_current_value_changes_nothing():
-    # Repro: rule = optax.chain(optax.clip_by_global_norm(0.5),
+def test_adjust_of_a_sub_state_to_its_current_value_changes_nothing():
+    # Once: rule = optax.chain(optax.clip_by_global_norm(0.5),
     #                           optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
     #        m = {"enc": jnp.array([3., 0.]), "dec": jnp.array([0., 4.])}; g = the same values
     #        st = tg.setup(rule, m); tg.adjust_(st["enc"], learning_rate=0.1)
     #        tg.update(st, m, g)[1] -> enc [2.95, 0], dec [0, 3.95] (norms 3 and 4 clipped
     #        apart); plain optax, and tg without the no-op adjust_: enc [2.97, 0], dec [0, 3.96].
+    # A sub-state adjusted to a new value gets its own part (docs/optimiser.md); to the
+    # value it has, it stays one part with the rest.
     # (tests/test_hunt_api.py and test_hunt_optim.py encode a sub-state adjust as a copy of
     # the whole rule for that part; with the value unchanged that copy still moves results.)
     def rule():
@@ -376,9 +373,20 @@ def test_bug_adjust_of_a_sub_state_to_its_current_value_changes_nothing():
     ref = optax.apply_updates(model, u)
     np.testing.assert_allclose(ref["enc"], [2.97, 0.0], rtol=1e-6)  # norm 5 clipped to 0.5
     state = tg.setup(rule(), model)
+    config = state._config
     tg.adjust_(state["enc"], learning_rate=0.1)  # the value it has
+    tg.adjust_(state["enc"], learning_rate=np.float32(0.1))
+    assert state._config is config
     _, new = tg.update(state, model, g)
     close(new, ref)
+    # Names and values are still checked when nothing would change.
+    with pytest.raises(TypeError, match=r"unknown hyperparameter\(s\) \['lr'\]"):
+        tg.adjust_(state["enc"], lr=0.1)
+    # A new value: the part is its own, its learning rate the new one, the other's kept.
+    tg.adjust_(state["enc"], learning_rate=0.2)
+    assert state._config is not config
+    lr = lambda k: float(state[k].state[1].hyperparams["learning_rate"])
+    assert (lr("enc"), lr("dec")) == (pytest.approx(0.2), pytest.approx(0.1))
 
 
 def test_editing_hyperparams_through_the_leaf_view_is_refused_with_the_way_to_do_it():

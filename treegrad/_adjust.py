@@ -120,11 +120,37 @@ def _with_hyperparams(state: Any, values: dict[str, Any], rule: Any, api: str) -
     return new
 
 
+def _already(root: OptState, chosen: list[int], values: dict[str, Any], api: str) -> bool:
+    """Whether the parts holding the `chosen` parameters already have these values (the
+    names and values checked as an adjust checks them). A sub-state is then not split
+    from the rest: that would change a rule looking across parameters (the global norm
+    of `optax.clip_by_global_norm` taken per part) for a change that changes nothing.
+    Inside a trace the values cannot be compared: the sub-state gets its own part."""
+    config = root._config
+    per_part = split_leaves(config, root._leaves)
+    for k in sorted({config.owner[i] for i in chosen}):
+        part = config.parts[k]
+        old = per_part[k]
+        new = jax.tree_util.tree_leaves(
+            _with_hyperparams(part.state_def.unflatten(old), values, part.rule, api)
+        )
+        for a, b in zip(new, old, strict=True):
+            if a is b:
+                continue
+            if is_tracer(a) or is_tracer(b) or jnp.asarray(a).dtype != jnp.asarray(b).dtype:
+                return False
+            if not np.array_equal(np.asarray(a), np.asarray(b)):
+                return False
+    return True
+
+
 def _adjusted(state: Any, hyper: dict[str, Any], api: str) -> tuple[OptState, _Config, list[Any]]:
     root, chosen, scope = _chosen(state, api)
     if not hyper:
         raise TypeError(f"{api}: name the hyperparameters to change, e.g. learning_rate=1e-4.")
     values = {name: _check_value(name, v, api) for name, v in hyper.items()}
+    if _already(root, chosen, values, api):
+        return root, root._config, list(root._leaves)
     config, leaves, parts = own_part(root._config, root._leaves, chosen, scope)
     per_part = split_leaves(config, leaves)
     for k in parts:
