@@ -335,3 +335,30 @@ def test_jit_in_shardings_of_the_wrong_type():
     f = tg.jit(lambda m, x: m["w"] * x, in_shardings=("fast", None))
     with pytest.raises(TypeError, match=r"tg\.jit: in_shardings: spec holds a str.*Sharding"):
         f({"w": jnp.ones(2)}, jnp.ones(2))
+
+
+# --- the user's own jax.jit around an implicit gradient -----------------------------------
+
+
+def test_tg_jit_reads_captured_parameters_fresh_where_jax_jit_bakes_them_in():
+    # docs/pitfalls.md: jax.jit keeps the parameters' values at trace time (ordinary JAX
+    # semantics, as jax.jit(jax.grad) over a captured model); tg.jit reads them fresh.
+    model = {"w": jnp.array([1.0, 2.0])}
+    ps = tg.params(model)
+    x = jnp.ones(2)
+    loss = lambda: jnp.sum(model["w"] ** 2 * x)
+    baked = jax.jit(lambda x: tg.gradient(loss, ps)[model["w"]])
+    fresh = tg.jit(lambda x: tg.gradient(loss, ps).to_tree(model))
+    np.testing.assert_allclose(baked(x), [2.0, 4.0])
+    np.testing.assert_allclose(fresh(x)["w"], [2.0, 4.0])
+    model["w"] = model["w"] * 0.5
+    np.testing.assert_allclose(baked(x), [2.0, 4.0])  # jax.jit's cache: the old weights
+    np.testing.assert_allclose(fresh(x)["w"], [1.0, 2.0])
+
+    # Traced by the user's jax.jit (the model an argument, the Params built inside): fresh.
+    @jax.jit
+    def inside(m, x):
+        ps = tg.params(m)
+        return tg.gradient(lambda: jnp.sum(m["w"] ** 2 * x), ps)[m["w"]]
+
+    np.testing.assert_allclose(inside(model, x), [1.0, 2.0])
