@@ -365,7 +365,11 @@ def jit(
 
     Array leaves of the arguments (and of everything the function reads from
     closures and globals) are traced; everything else is static and part of
-    the cache key. A training step written with `tg.withgradient` and
+    the cache key. A function or a plain object of yours passed as an
+    argument (`self` of a compiled method, a trainer holding a model) is read
+    as a captured one is: its arrays are traced, what the function reads from
+    it is checked on every call, and arrays it assigns into it are written
+    back. A training step written with `tg.withgradient` and
     `tg.update` inside `tg.jit` compiles to one XLA computation; so does an
     implicit-style step (`tg.gradient(lambda: ..., ps)` and `tg.update_`):
     the arrays it rebinds in the model and the optimiser state are written
