@@ -22,7 +22,9 @@ styles, which run the same compiled step, the comparison is bit for bit.
 Bugs are strict xfails whose test asserts the correct behaviour.
 """
 
+import copy
 import dataclasses
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -408,6 +410,14 @@ def test_editing_hyperparams_through_the_leaf_view_is_refused_with_the_way_to_do
             edit()
     with pytest.raises(TypeError, match=words):
         hp |= {"learning_rate": 1.0}
+    # A copy of the view is the user's own, a plain dict (copying once refused).
+    for copied in (
+        copy.copy(hp),
+        copy.deepcopy(state["w"].state).hyperparams,
+        pickle.loads(pickle.dumps(state["w"].state)).hyperparams,
+    ):
+        assert type(copied) is dict
+        copied["learning_rate"] = 1.0
     # Read, and mapped over, the view is the optax state's values.
     assert float(state["w"].state.hyperparams["learning_rate"]) == pytest.approx(0.1)
     doubled = jax.tree.map(lambda x: 2 * x, state["w"].state)

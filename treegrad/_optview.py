@@ -295,6 +295,10 @@ class _ViewDict(dict[Any, Any]):
     def setdefault(self, *args: Any) -> Any:
         _refuse_edit()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy (copy, deepcopy, pickle) is the user's own: a plain dict, editable.
+        return (dict, (dict(self),))
+
 
 def _keyed_items(d: _ViewDict) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
     keys = tuple(sorted(d))
