@@ -1252,3 +1252,24 @@ def test_callable_object_argument_reads_its_arrays_fresh():
     close(f(c, x), 3.0 * x)
     c.k = jnp.array(4.0)
     close(f(c, x), 4.0 * x)
+
+
+def test_object_whose_getattr_raises_anything_is_read_by_its_slots():
+    # Its __getattr__ was asked for __qualname__ and __dict__, and its RuntimeError
+    # escaped from tg.jit and tg.gradient.
+    class Strict:
+        __slots__ = ("w",)
+
+        def __init__(self):
+            self.w = jnp.array([1.0, 2.0])
+
+        def __getattr__(self, name):
+            raise RuntimeError(f"no attribute {name}")
+
+    s = Strict()
+    x = jnp.array([3.0, 4.0])
+    close(tg.jit(lambda o, x: o.w * x)(s, x), s.w * x)
+    close(tg.jit(lambda x: s.w * x)(x), s.w * x)
+    close(tg.gradient(lambda x: jnp.sum(s.w * x), x)[0], s.w)
+    s.w = jnp.array([5.0, 6.0])  # read fresh through the slot
+    close(tg.jit(lambda o, x: o.w * x)(s, x), s.w * x)

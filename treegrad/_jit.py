@@ -244,10 +244,11 @@ C.MEMOS.append(_ROOT_TYPES)
 def _is_plain_object(a: Any) -> bool:
     """An instance of a user's class that is no pytree: jax would take it for one leaf."""
     t = type(a)
+    # By its type: an instance's own __getattr__ is not asked (it may raise anything).
     return (
-        not isinstance(a, (type, types.ModuleType))
+        not issubclass(t, (type, types.ModuleType))
         and (not G._is_library(t) or G.holds_user_values(t))
-        and (hasattr(a, "__dict__") or bool(_slot_names(t)))
+        and (t.__dictoffset__ != 0 or bool(_slot_names(t)))
         and not G.is_array(a)
         and not G._is_pytree_node(a)
     )

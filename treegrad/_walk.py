@@ -380,7 +380,8 @@ class Walk:
                     if type(fn) is types.FunctionType:
                         self.fixed(fn)
             return Same(value)
-        if hasattr(value, "__dict__") or _slot_names(t):
+        # By the type: an instance's __getattr__ is not asked (it may raise anything).
+        if t.__dictoffset__ != 0 or _slot_names(t):
             return self._object(value, path)
         return Same(value)
 
@@ -445,7 +446,7 @@ class Walk:
         t = type(value)
         self._absolute(t)
         node = self._memo(value, Obj(Same(t), [], []))
-        d = getattr(value, "__dict__", None)
+        d = getattr(value, "__dict__", None) if t.__dictoffset__ != 0 else None
         node.has_dict = d is not None
         self.pending.append(_Pending(node, value, d, path, every_attribute(t)))
         return node
@@ -541,7 +542,10 @@ def _plain_attributes(t: type) -> bool:
 
 
 def describe(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    try:
+        return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    except Exception:  # user code answers: an object's __getattr__ may raise anything
+        return f"<{type(fn).__qualname__} object>"
 
 
 _SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # cleared with the other memos (_cache.MEMOS)
