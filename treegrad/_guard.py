@@ -173,6 +173,17 @@ _VALUE_HOLDERS = frozenset(
 )
 
 
+def has_instance_dict(value: Any) -> bool:
+    """Whether `value` has a `__dict__`, asked of its type where that can tell: a
+    `__getattr__` of the user's, asked for a missing `__dict__` (a class with
+    `__slots__` only), may raise anything, not AttributeError."""
+    t = type(value)
+    if t.__dictoffset__ != 0:
+        return True
+    # A __getattribute__ of its own (threading.local's) may answer `__dict__` itself.
+    return t.__getattribute__ is not object.__getattribute__ and hasattr(value, "__dict__")
+
+
 def holds_user_values(t: type) -> bool:
     """Whether a library class `t` is one of the standard library's value holders."""
     return f"{t.__module__}.{t.__qualname__}" in _VALUE_HOLDERS

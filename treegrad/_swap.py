@@ -42,6 +42,7 @@ from ._guard import (
     Unchecked,
     children,
     deref,
+    has_instance_dict,
     has_places,
     is_array,
 )
@@ -487,7 +488,7 @@ class Settle:
         if isinstance(node, Obj):
             if type(v) is not node.type.get():
                 return self._demote(node, v)
-            d = getattr(v, "__dict__", {}) if type(v).__dictoffset__ != 0 else {}
+            d = getattr(v, "__dict__", {}) if has_instance_dict(v) else {}
             node.attrs = self._entries(node.attrs, d, node.skipped)
             node.skipped = [k for k in node.skipped if k in d]
             node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]

@@ -56,6 +56,7 @@ from ._guard import (
     _is_library,
     _is_pytree_node,
     deref,
+    has_instance_dict,
     holder_kind,
     holds_user_values,
     is_array,
@@ -380,8 +381,7 @@ class Walk:
                     if type(fn) is types.FunctionType:
                         self.fixed(fn)
             return Same(value)
-        # By the type: an instance's __getattr__ is not asked (it may raise anything).
-        if t.__dictoffset__ != 0 or _slot_names(t):
+        if has_instance_dict(value) or _slot_names(t):
             return self._object(value, path)
         return Same(value)
 
@@ -446,7 +446,7 @@ class Walk:
         t = type(value)
         self._absolute(t)
         node = self._memo(value, Obj(Same(t), [], []))
-        d = getattr(value, "__dict__", None) if t.__dictoffset__ != 0 else None
+        d = getattr(value, "__dict__", None) if has_instance_dict(value) else None
         node.has_dict = d is not None
         self.pending.append(_Pending(node, value, d, path, every_attribute(t)))
         return node
