@@ -26,7 +26,7 @@ from . import _guard as G
 from . import _programs as P
 from ._shard import by_prefix
 from ._tree import value_key
-from ._walk import _slot_names
+from ._walk import slot_names
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
 
@@ -244,11 +244,10 @@ C.MEMOS.append(_ROOT_TYPES)
 def _is_plain_object(a: Any) -> bool:
     """An instance of a user's class that is no pytree: jax would take it for one leaf."""
     t = type(a)
-    # By its type: an instance's own __getattr__ is not asked (it may raise anything).
     return (
         not issubclass(t, (type, types.ModuleType))
         and (not G._is_library(t) or G.holds_user_values(t))
-        and (t.__dictoffset__ != 0 or bool(_slot_names(t)))
+        and (G.has_instance_dict(a) or bool(slot_names(t)))
         and not G.is_array(a)
         and not G._is_pytree_node(a)
     )

@@ -381,7 +381,7 @@ class Walk:
                     if type(fn) is types.FunctionType:
                         self.fixed(fn)
             return Same(value)
-        if has_instance_dict(value) or _slot_names(t):
+        if has_instance_dict(value) or slot_names(t):
             return self._object(value, path)
         return Same(value)
 
@@ -461,7 +461,7 @@ class Walk:
                     p.done.add(k)
                     p.node.attrs.append((k, self.node(v, f"{p.path}.{k}")))
                     changed = True
-            for name in _slot_names(type(p.value)):
+            for name in slot_names(type(p.value)):
                 if name not in p.done and (every or name in self.read_names):
                     p.done.add(name)
                     changed = True
@@ -551,7 +551,7 @@ def describe(fn: Any) -> str:
 _SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # cleared with the other memos (_cache.MEMOS)
 
 
-def _slot_names(t: type) -> tuple[str, ...]:
+def slot_names(t: type) -> tuple[str, ...]:
     got = _SLOT_NAMES.get(t)
     if got is None:
         got = _SLOT_NAMES[t] = _find_slot_names(t)
