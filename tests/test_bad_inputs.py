@@ -116,6 +116,25 @@ def _once_only(c):
     tg.train(mse, c.model, Loader(), c.state, epochs=2)
 
 
+def _update_in_place_inside_jax_jit(c):
+    state = tg.setup(optax.sgd(0.1), c.vec)
+    jax.jit(lambda x: tg.update_(state, c.vec, {"w": x}) or x)(jnp.ones(3))
+
+
+def _edit_leaf_view(c):
+    c.hyper.layers[0].weight.state.hyperparams["learning_rate"] = 1.0
+
+
+def _plain_object_in_a_list_argument(c):
+    class Holder:
+        w = jnp.ones(3)
+
+    def upd(objs, x):
+        objs[0].w = objs[0].w + x
+
+    tg.jit(upd)([Holder()], jnp.ones(3))
+
+
 def row(name, call, exc, words, marks=()):
     return pytest.param(call, exc, words, id=name, marks=marks)
 
@@ -678,6 +697,27 @@ ROWS = [
         lambda c: nn.Recurrence("cell"),
         TypeError,
         r"Recurrence: cell must be a Module mapping \(state, x\) to \(new_state, y\).*got a str",
+    ),
+    row(
+        "update-in-place-inside-users-jax-jit",
+        _update_in_place_inside_jax_jit,
+        TypeError,
+        r"tg\.update_ inside jax\.jit .* does not trace.*left unchanged.*Compile the step with "
+        r"tg\.jit.*tg\.update\(state, model, grads\)",
+    ),
+    row(
+        "edit-leaf-state-view",
+        _edit_leaf_view,
+        TypeError,
+        r"view of one parameter's optimiser state.*change nothing.*tg\.adjust_\(state, "
+        r"learning_rate=x\)",
+    ),
+    row(
+        "jit-plain-object-in-a-list-argument-stores-tracer",
+        _plain_object_in_a_list_argument,
+        TypeError,
+        r"stores a traced array in attribute 'w' of an argument of type Holder.*capture the "
+        r"object",
     ),
     row(
         "datasets-batches-size-zero",

@@ -137,9 +137,10 @@ def _already(root: OptState, chosen: list[int], values: dict[str, Any], api: str
         for a, b in zip(new, old, strict=True):
             if a is b:
                 continue
-            if is_tracer(a) or is_tracer(b) or jnp.asarray(a).dtype != jnp.asarray(b).dtype:
+            if is_tracer(a) or is_tracer(b):
                 return False
-            if not np.array_equal(np.asarray(a), np.asarray(b)):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.dtype != b.dtype or not np.array_equal(a, b):
                 return False
     return True
 

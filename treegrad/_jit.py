@@ -26,7 +26,7 @@ from . import _guard as G
 from . import _programs as P
 from ._shard import by_prefix
 from ._tree import value_key
-from ._walk import slot_names
+from ._walk import is_plain_object
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
 
@@ -230,27 +230,15 @@ def _is_function(a: Any) -> bool:
         return False
     if t in _ROOT_TYPES or issubclass(t, _FUNCTION_TYPES):
         return True
-    if _is_plain_object(a):
+    if is_plain_object(a):
         _ROOT_TYPES.add(t)
         return True
     _NOT_FUNCTIONS.add(t)
     return False
 
 
-_ROOT_TYPES: set[type] = set()  # plain objects' classes, as found by `_is_plain_object`
+_ROOT_TYPES: set[type] = set()  # plain objects' classes, as found by `is_plain_object`
 C.MEMOS.append(_ROOT_TYPES)
-
-
-def _is_plain_object(a: Any) -> bool:
-    """An instance of a user's class that is no pytree: jax would take it for one leaf."""
-    t = type(a)
-    return (
-        not issubclass(t, (type, types.ModuleType))
-        and (not G._is_library(t) or G.holds_user_values(t))
-        and (G.has_instance_dict(a) or bool(slot_names(t)))
-        and not G.is_array(a)
-        and not G._is_pytree_node(a)
-    )
 
 
 def _check_deleted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

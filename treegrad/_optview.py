@@ -276,8 +276,8 @@ class _ViewDict(dict[Any, Any]):
     def __delitem__(self, key: Any) -> None:
         _refuse_edit()
 
-    # typeshed types dict.__or__ by overloads no refusal can match; `d |= x` must refuse too
-    def __ior__(self, other: Any) -> Self:  # type: ignore[misc]
+    # `d |= x` must refuse too (dict's C __ior__ would bypass __setitem__).
+    def __ior__(self, other: Any) -> Self:  # type: ignore[misc]  # typeshed's overloaded __or__
         _refuse_edit()
 
     def update(self, *args: Any, **kwargs: Any) -> None:
@@ -305,18 +305,13 @@ def _keyed_items(d: _ViewDict) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
     return [(jax.tree_util.DictKey(k), d[k]) for k in keys], keys
 
 
-def _items(d: _ViewDict) -> tuple[list[Any], tuple[Any, ...]]:
-    keys = tuple(sorted(d))
-    return [d[k] for k in keys], keys
-
-
 def _as_dict(keys: tuple[Any, ...], values: Any) -> Any:
     # What jax builds from a view (tree_map over it) is a new value: a plain dict.
     return dict(zip(keys, values, strict=True))
 
 
 # Flattened as a dict is (sorted keys), so the view's leaves are those of optax's state.
-jax.tree_util.register_pytree_with_keys(_ViewDict, _keyed_items, _as_dict, flatten_func=_items)
+jax.tree_util.register_pytree_with_keys(_ViewDict, _keyed_items, _as_dict)
 
 
 def _read_only(view: Any) -> Any:

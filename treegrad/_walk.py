@@ -544,8 +544,8 @@ def _plain_attributes(t: type) -> bool:
 def describe(fn: Any) -> str:
     try:
         return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-    except Exception:  # user code answers: an object's __getattr__ may raise anything
-        return f"<{type(fn).__qualname__} object>"
+    except Exception:  # a label only (no result reads it); a user's __getattr__ or __repr__
+        return f"<{type(fn).__qualname__} object>"  # may raise anything
 
 
 _SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # cleared with the other memos (_cache.MEMOS)
@@ -594,6 +594,19 @@ def _user_callable(fn: Any) -> bool:
         callable(fn)
         and not isinstance(fn, (type, types.ModuleType, types.BuiltinFunctionType))
         and not _is_library(type(fn))
+    )
+
+
+def is_plain_object(value: Any) -> bool:
+    """An instance of a user's class (or a standard-library value holder) that is no
+    pytree: jax would take it for one leaf; the walk reads it attribute by attribute."""
+    t = type(value)
+    return (
+        not issubclass(t, (type, types.ModuleType))
+        and (not _is_library(t) or holds_user_values(t))
+        and (has_instance_dict(value) or bool(slot_names(t)))
+        and not is_array(value)
+        and not _is_pytree_node(value)
     )
 
 
