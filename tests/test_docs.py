@@ -98,6 +98,17 @@ def actual_messages(tmp_path):
     with pytest.raises(TypeError) as e:
         tg.gradient(lambda: jnp.mean((model(x) - y) ** 2), model)
     out.append(str(e.value))
+    losses: list = []
+
+    @tg.jit
+    def step(model, x, y):
+        loss = jnp.mean((model(x) - y) ** 2)
+        losses.append(loss)
+        return loss
+
+    with pytest.warns(tg.RetraceWarning) as w:
+        step(model, x, y)
+    out.append(str(w[0].message).replace("actual_messages.<locals>.", ""))  # as at top level
     return out
 
 

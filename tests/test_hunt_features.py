@@ -663,6 +663,19 @@ def test_setting_an_attribute_of_the_argument_leaves_the_caller_model_alone():
         assert m.w is w0  # like jax.grad: the argument is a value
 
 
+def _lost(*places):
+    """pytest.warns for the RetraceWarning of values stored from a trace, at `places`."""
+    where = ", ".join(places).replace("[", r"\[").replace("]", r"\]")
+    return pytest.warns(
+        tg.RetraceWarning,
+        match=r"^tg\.(gradient|jit): \S+ stores values computed from its traced arrays in "
+        rf"your objects \({where}\)\. A traced value cannot stay there after the call, so "
+        r"each was taken out again .* traced again on every call\. Return them .* or put an "
+        r"array there before the first call: an array the function replaces is written back "
+        r"after every call\.$",
+    )
+
+
 def test_cache_filled_into_a_new_dict_key():
     # docs/compilation.md: "A value it computes from the traced arrays and stores in your
     # object (a cache filled on first use) is not left there as a tracer: it is removed".
@@ -673,9 +686,11 @@ def test_cache_filled_into_a_new_dict_key():
             cache["v"] = jnp.sum(w**2)
         return cache["v"]
 
-    for w in (W3, 2 * W3):  # was a KeyError from _swap.py; fresh on the second call
-        _close(tg.gradient(loss, w)[0], 2 * w)
-        assert "v" not in cache
+    with _lost("dict entry ['v']") as caught:
+        for w in (W3, 2 * W3):  # was a KeyError from _swap.py; fresh on the second call
+            _close(tg.gradient(loss, w)[0], 2 * w)
+            assert "v" not in cache
+    assert len(caught) == 1  # once per function
 
 
 def test_traced_values_in_a_dict_of_unsortable_keys_are_removed():
@@ -688,9 +703,10 @@ def test_traced_values_in_a_dict_of_unsortable_keys_are_removed():
         cache["v"] = {1: y, "a": y}
         return y
 
-    for w in (W3, 2 * W3):
-        _close(tg.gradient(loss, w)[0], 2 * w)
-        assert cache == {}
+    with _lost("dict entry ['v']"):
+        for w in (W3, 2 * W3):
+            _close(tg.gradient(loss, w)[0], 2 * w)
+            assert cache == {}
 
 
 _GLOBAL_LAST = None
@@ -709,14 +725,15 @@ def _stores_a_new_global(w):
 
 
 def test_traced_value_written_to_a_global():
-    for w in (W3, 2 * W3, 2 * W3):  # the second call raised UnexpectedTracerError
-        _close(tg.gradient(_stores_a_global, w)[0], 2 * w)
-        assert _GLOBAL_LAST is None  # put back, as an object's attribute is
-        _close(tg.gradient(_stores_a_new_global, w)[0], 3 * w**2)
-        assert "_GLOBAL_NEW" not in globals()  # new: removed again
-        g = tg.gradient(lambda w=w: _stores_a_global(w), tg.Params([w]))
-        _close(g[w], 2 * w)
-        assert _GLOBAL_LAST is None
+    with _lost("global '_GLOBAL_LAST'"), _lost("global '_GLOBAL_NEW'"):
+        for w in (W3, 2 * W3, 2 * W3):  # the second call raised UnexpectedTracerError
+            _close(tg.gradient(_stores_a_global, w)[0], 2 * w)
+            assert _GLOBAL_LAST is None  # put back, as an object's attribute is
+            _close(tg.gradient(_stores_a_new_global, w)[0], 3 * w**2)
+            assert "_GLOBAL_NEW" not in globals()  # new: removed again
+            g = tg.gradient(lambda w=w: _stores_a_global(w), tg.Params([w]))
+            _close(g[w], 2 * w)
+            assert _GLOBAL_LAST is None
 
 
 def test_traced_value_assigned_to_a_nonlocal():
@@ -730,9 +747,10 @@ def test_traced_value_assigned_to_a_nonlocal():
             fresh = last
         return last * 1.0
 
-    for w in (W3, 2 * W3):
-        _close(tg.gradient(loss, w)[0], 2 * w)
-        assert last == 1.0 and fresh is None  # put back: no tracer left in the cells
+    with _lost("closure variable 'fresh', closure variable 'last'"):
+        for w in (W3, 2 * W3):
+            _close(tg.gradient(loss, w)[0], 2 * w)
+            assert last == 1.0 and fresh is None  # put back: no tracer left in the cells
 
 
 def test_traced_value_appended_to_a_captured_list():
@@ -743,9 +761,10 @@ def test_traced_value_appended_to_a_captured_list():
         seen.append(y)
         return y
 
-    for w in (W3, 2 * W3):
-        _close(tg.gradient(loss, w)[0], 2 * w)
-        assert seen == ["kept"]  # removed, as a value added to a dict is
+    with _lost(r"1 item\(s\) appended to a list"):
+        for w in (W3, 2 * W3):
+            _close(tg.gradient(loss, w)[0], 2 * w)
+            assert seen == ["kept"]  # removed, as a value added to a dict is
 
 
 # -- arguments, shapes, ties ------------------------------------------------------------

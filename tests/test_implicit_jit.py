@@ -362,3 +362,80 @@ def test_tg_jit_reads_captured_parameters_fresh_where_jax_jit_bakes_them_in():
         return tg.gradient(lambda: jnp.sum(m["w"] ** 2 * x), ps)[m["w"]]
 
     np.testing.assert_allclose(inside(model, x), [1.0, 2.0])
+
+
+def _reference_run(steps):
+    """The implicit step run uncompiled, with the losses it logs: the reference."""
+    model = make()
+    ps = tg.params(model)
+    state = tg.setup(optax.adam(1e-2), ps)
+    losses = []
+    with jax.disable_jit():
+        for _ in range(steps):
+            loss, grads = tg.withgradient(lambda: loss_fn(model, X, Y), ps)
+            tg.update_(state, ps, grads)
+            losses.append(loss)
+    return model, losses
+
+
+def test_a_loss_log_appended_to_inside_a_compiled_step_is_said_not_silently_empty():
+    # docs/pitfalls.md: uncompiled, `losses` would hold one loss a call; a traced value
+    # cannot stay in it, so it is taken out again and the step traced on every call.
+    # That was silent (an empty log, a slow step); now a RetraceWarning says so, once.
+    model = make()
+    ps = tg.params(model)
+    state = tg.setup(optax.adam(1e-2), ps)
+    losses, traces = [], []
+
+    @tg.jit
+    def step(x, y):
+        traces.append(1)
+        loss, grads = tg.withgradient(lambda: loss_fn(model, x, y), ps)
+        tg.update_(state, ps, grads)
+        losses.append(loss)
+        return loss
+
+    with pytest.warns(tg.RetraceWarning) as caught:
+        got = [step(X, Y) for _ in range(3)]
+    assert [str(w.message) for w in caught] == [
+        "tg.jit: test_a_loss_log_appended_to_inside_a_compiled_step_is_said_not_silently_"
+        "empty.<locals>.step stores values computed from its traced arrays in your objects "
+        "(1 item(s) appended to a list). A traced value cannot stay there after the call, so "
+        "each was taken out again (a new entry removed, an old value put back) and the "
+        "function is traced again on every call. Return them from the function instead "
+        "(`loss = step(x); losses.append(loss)`), or put an array there before the first "
+        "call: an array the function replaces is written back after every call."
+    ]
+    assert losses == [] and len(traces) == 3
+    # The step itself still trains as the uncompiled one does.
+    ref_model, ref_losses = _reference_run(3)
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
+    for a, b in zip(leaves(model), leaves(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fix", ["returned", "array placeholder"])
+def test_the_fixes_the_warning_names_log_every_loss_and_trace_once(fix):
+    model = make()
+    ps = tg.params(model)
+    state = tg.setup(optax.adam(1e-2), ps)
+    losses, traces = [], []
+    last = {"loss": jnp.zeros(())}  # an array there before the first call
+
+    @tg.jit
+    def step(x, y):
+        traces.append(1)
+        loss, grads = tg.withgradient(lambda: loss_fn(model, x, y), ps)
+        tg.update_(state, ps, grads)
+        if fix == "array placeholder":
+            last["loss"] = loss  # replaces an array: an output, written back
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            loss = step(X, Y)
+            losses.append(loss if fix == "returned" else last["loss"])
+    assert len(traces) == 1
+    assert not any(isinstance(v, jax.core.Tracer) for v in losses)
+    np.testing.assert_allclose(losses, _reference_run(4)[1], rtol=1e-5)

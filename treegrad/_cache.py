@@ -30,11 +30,15 @@ from ._walk import _SLOT_NAMES, describe
 
 
 class RetraceWarning(UserWarning):
-    """Warned once per function that captures arrays treegrad cannot track.
+    """Warned once per function that treegrad must trace again on every call.
 
-    Such a function is re-traced on every call, so its result is never stale.
-    treegrad sees into closures, globals, containers, plain objects, classes and
-    pytrees; an array inside, say, a `collections.deque` is out of its sight.
+    Two causes, each named in the message with its fix. The function captures
+    arrays treegrad cannot track: it is re-traced on every call, so its result is
+    never stale. treegrad sees into closures, globals, containers, plain objects,
+    classes and pytrees; an array inside, say, a `collections.deque` is out of
+    its sight. Or the function stores values computed from its traced arrays in
+    your objects (a loss log it appends to): they cannot stay there as tracers,
+    so they are taken out again after each trace.
 
     Examples:
         >>> import collections, warnings, jax.numpy as jnp, treegrad as tg
@@ -115,8 +119,11 @@ def execute(
     out = entry.first_run(roots, dyn, params)
     if entry.cacheable:
         _remember(recent_key, call, _store(call.key, entry))
-    elif entry.hidden:
-        _warn_hidden(entry, roots[0])
+    else:
+        if entry.hidden:
+            _warn_hidden(entry, roots[0])
+        if entry.lost:
+            _warn_lost(entry, roots[0])
     return entry, out
 
 
@@ -201,6 +208,33 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
         f"({what}) through objects it cannot see into, so it is re-traced on every call to "
         "stay correct. Pass these arrays as arguments, or hold them in a tg.Module, list, "
         "dict, plain object or a closure variable.",
+        RetraceWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _warn_lost(entry: Entry, f: Any) -> None:
+    """The function stored values computed from its traced arrays in the user's objects
+    (a loss log it appends to, `self.last = loss`, a cache filled on first use). They
+    cannot stay there as tracers, so they were taken out again and the function is traced
+    on every call: a log that stays empty and a slow step, said once, with the fixes."""
+    code = getattr(f, "__code__", None) or type(f)
+    if (code, "lost") in _WARNED:
+        return
+    _WARNED.add((code, "lost"))
+    instead = (
+        "Return them from the function instead (`loss = step(x); losses.append(loss)`)"
+        if entry.api == "tg.jit"
+        else "Return them with the loss instead (`(loss, aux), grads = tg.withgradient("
+        "lambda m: (loss_fn(m), aux_fn(m)), model)`)"
+    )
+    warnings.warn(
+        f"{entry.api}: {describe(f)} stores values computed from its traced arrays in your "
+        f"objects ({', '.join(entry.lost[:5])}). A traced value cannot stay there after the "
+        "call, so each was taken out again (a new entry removed, an old value put back) and "
+        f"the function is traced again on every call. {instead}, or put an array there "
+        "before the first call: an array the function replaces is written back after "
+        "every call.",
         RetraceWarning,
         stacklevel=user_stacklevel(),
     )

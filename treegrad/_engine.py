@@ -102,6 +102,7 @@ class Entry:
         self._writers: dict[tuple[int, ...], WriteBack] = {}
         self.cacheable = True
         self.hidden: list[str] = []
+        self.lost: list[str] = []  # where the trace stored traced values, taken out again
         self.cl_slots: tuple[int, ...] | None = None
         self.n_cl = 0
         self.param_pos: tuple[int, ...] = ()

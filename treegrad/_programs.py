@@ -119,6 +119,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 written = {}
             if not settle.cacheable:
                 entry.cacheable = False
+            entry.lost += [w for w in settle.lost if w not in entry.lost]
             entry.demoted = entry.demoted or settle.demoted
             return out, written
         finally:

@@ -291,6 +291,9 @@ class Settle:
         self.waiting: dict[int, list[Any]] = {}
         self.demoted = False
         self.cacheable = True
+        # Where the function stored values computed from the traced arrays, taken out
+        # again (see `_entry`, `_dropped`): said once to the user (`_cache._warn_lost`).
+        self.lost: list[str] = []
 
     def _demote(self, node: Node, v: Any) -> Node:
         if has_places(node) or is_array(v):
@@ -300,48 +303,54 @@ class Settle:
         return Unchecked()
 
     def _entries(
-        self, items: list[tuple[Any, Node]], d: dict[Any, Any], skipped: Any = ()
+        self, items: list[tuple[Any, Node]], d: dict[Any, Any], skipped: Any = (), of: str = ""
     ) -> list[tuple[Any, Node]]:
         """The entries of a dict (or an object's `__dict__`) after a trace. Entries the
         function added (a default filled in on first use, lazy initialisation, a
         cached_property) are its own outputs, not checked; one it removed is no
         longer read. The others stay checked: the function may read them (as
-        uncompiled, they stay fresh). `skipped`: names that were there, unchecked."""
+        uncompiled, they stay fresh). `skipped`: names that were there, unchecked.
+        `of`: the class of the object whose `__dict__` `d` is, for messages (empty
+        for a dict's own entries)."""
         out = []
         for key, child in items:
             if key in d:
-                out.append((key, self._entry(child, d[key], d.__setitem__, key)))
+                where = _where(key, of)
+                out.append((key, self._entry(child, d[key], d.__setitem__, key, where)))
             elif has_places(child):
                 raise Unsettled
             else:
                 self.demoted = True
         known = {key for key, _ in items}.union(skipped)
         for key in [k for k in d if k not in known]:
-            added = self._added(d[key], functools.partial(d.pop, key, None))
+            added = self._added(d[key], functools.partial(d.pop, key, None), _where(key, of))
             if key in d:  # else removed again: a traced value (`_added`)
                 out.append((key, added))
         return out
 
-    def _entry(self, node: Node, value: Any, put: Callable[[Any, Any], Any], key: Any) -> Node:
+    def _entry(
+        self, node: Node, value: Any, put: Callable[[Any, Any], Any], key: Any, where: str
+    ) -> Node:
         """`self.node` for an entry of a dict or object; a number or library object there
         that the function replaced by a value computed from traced arrays (a lazy
         `self.cache = f(self.w)`) is put back, so no tracer stays in the user's object."""
         if isinstance(node, (Const, Same)) and _holds_tracer(value):
             put(key, node.value if isinstance(node, Const) else node.get())
+            self.lost.append(where)
             self.cacheable = False  # traced again each call; the places stay where they were
             return node
         return self.node(node, value)
 
-    def _added(self, value: Any, remove: Callable[[], Any]) -> Node:
+    def _added(self, value: Any, remove: Callable[[], Any], where: str) -> Node:
         """An entry the function added to a dict or object while traced."""
-        if self._dropped(value, remove):
+        if self._dropped(value, remove, where):
             return Unchecked()
         if any(map(is_array, jax.tree_util.tree_leaves(value))):
             raise Unsettled
         self.demoted = True
         return Unchecked()
 
-    def _dropped(self, value: Any, remove: Callable[[], Any]) -> bool:
+    def _dropped(self, value: Any, remove: Callable[[], Any], where: str) -> bool:
         """Remove a value the function put where there was none, when it was computed
         from the traced arrays (a cache filled on first use): left there it would be a
         tracer in the user's object after the call. Removed, it is computed again when
@@ -350,6 +359,7 @@ class Settle:
         if value is MISSING or not _holds_tracer(value):
             return False
         remove()
+        self.lost.append(where)
         self.cacheable = False
         return True
 
@@ -394,6 +404,7 @@ class Settle:
             if type(v) is list and len(v) > n and any(map(_holds_tracer, v[n:])):
                 # Values computed from the traced arrays appended while traced (a log):
                 # removed, as a cache filled on first use is (`_added`).
+                self.lost.append(f"{len(v) - n} item(s) appended to a list")
                 del v[n:]
                 self.cacheable = False
             if type(v) is not node.type or len(v) != len(node.items):
@@ -403,7 +414,8 @@ class Settle:
         if isinstance(node, Map):
             if type(v) is not node.type:
                 return self._demote(node, v)
-            items = self._entries(node.items, v)
+            of = "" if node.type is dict else node.type.__name__
+            items = self._entries(node.items, v, of=of)
             if [k for k, _ in items] != list(v):
                 # The function reordered the dict: the order is its output, not checked.
                 node.ordered = False
@@ -415,20 +427,24 @@ class Settle:
             if type(v) is not types.FunctionType or v.__code__ is not node.code:
                 return self._demote(node, v)
             cells: list[Node | None] = []
-            for cell, cell_node in zip(v.__closure__ or (), node.cells, strict=True):
+            freevars = v.__code__.co_freevars
+            for k, (cell, cell_node) in enumerate(
+                zip(v.__closure__ or (), node.cells, strict=True)
+            ):
+                place = f"closure variable {freevars[k]!r}"
                 try:
                     value = cell.cell_contents
                 except ValueError:
                     value = MISSING
                 if cell_node is None:
-                    if self._dropped(value, functools.partial(_empty_cell, cell)):
+                    if self._dropped(value, functools.partial(_empty_cell, cell), place):
                         value = MISSING
                     cells.append(None if value is MISSING else self._demote(Unchecked(), value))
                 elif value is MISSING:
                     cells.append(self._demote(cell_node, value))
                 else:
                     put = functools.partial(_put_cell, cell)
-                    cells.append(self._entry(cell_node, value, put, None))
+                    cells.append(self._entry(cell_node, value, put, None, place))
             node.cells = cells
             g = v.__globals__
             names: list[tuple[str, Node | None]] = []
@@ -437,7 +453,9 @@ class Settle:
                 # put back, or removed if it was new, as an object's attribute is.
                 value = g.get(name, MISSING)
                 if global_node is None:
-                    if self._dropped(value, functools.partial(g.pop, name, None)):
+                    if self._dropped(
+                        value, functools.partial(g.pop, name, None), f"global {name!r}"
+                    ):
                         value = MISSING
                     names.append(
                         (name, None if value is MISSING else self._demote(Unchecked(), value))
@@ -445,7 +463,10 @@ class Settle:
                 elif value is MISSING:
                     names.append((name, self._demote(global_node, value)))
                 else:
-                    names.append((name, self._entry(global_node, value, g.__setitem__, name)))
+                    place = f"global {name!r}"
+                    names.append(
+                        (name, self._entry(global_node, value, g.__setitem__, name, place))
+                    )
             node.globals = names
             if node.defaults is not None:
                 node.defaults = self.node(node.defaults, v.__defaults__)
@@ -489,7 +510,7 @@ class Settle:
             if type(v) is not node.type.get():
                 return self._demote(node, v)
             d = getattr(v, "__dict__", {}) if has_instance_dict(v) else {}
-            node.attrs = self._entries(node.attrs, d, node.skipped)
+            node.attrs = self._entries(node.attrs, d, node.skipped, of=type(v).__name__)
             node.skipped = [k for k in node.skipped if k in d]
             node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
             return node
@@ -531,6 +552,11 @@ class Settle:
             node.attrs = attrs
             return node
         raise AssertionError(type(node))  # pragma: no cover
+
+
+def _where(key: Any, of: str) -> str:
+    """A place in a dict (`of` empty) or in an object's `__dict__`, for messages."""
+    return f"attribute {key!r} of a {of}" if of else f"dict entry [{key!r}]"
 
 
 def _same(target: Node, alias: Any, v: Any) -> bool:
