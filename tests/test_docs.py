@@ -14,6 +14,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -109,6 +110,14 @@ def actual_messages(tmp_path):
     with pytest.warns(tg.RetraceWarning) as w:
         step(model, x, y)
     out.append(str(w[0].message).replace("actual_messages.<locals>.", ""))  # as at top level
+
+    def loss(m):
+        noise = np.random.normal(scale=0.1, size=x.shape)
+        return jnp.mean((m(x + noise) - y) ** 2)
+
+    with pytest.warns(tg.RetraceWarning) as w:
+        tg.gradient(loss, model)
+    out.append(str(w[0].message).replace("actual_messages.<locals>.", ""))
     return out
 
 

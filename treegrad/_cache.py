@@ -32,13 +32,14 @@ from ._walk import _SLOT_NAMES, describe
 class RetraceWarning(UserWarning):
     """Warned once per function that treegrad must trace again on every call.
 
-    Two causes, each named in the message with its fix. The function captures
+    Three causes, each named in the message with its fix. The function captures
     arrays treegrad cannot track: it is re-traced on every call, so its result is
     never stale. treegrad sees into closures, globals, containers, plain objects,
     classes and pytrees; an array inside, say, a `collections.deque` is out of
     its sight. Or the function stores values computed from its traced arrays in
     your objects (a loss log it appends to): they cannot stay there as tracers,
-    so they are taken out again after each trace.
+    so they are taken out again after each trace. Or it draws from numpy's or
+    Python's random generators while traced: compiled, the draw would repeat.
 
     Examples:
         >>> import collections, warnings, jax.numpy as jnp, treegrad as tg
@@ -124,6 +125,8 @@ def execute(
             _warn_hidden(entry, roots[0])
         if entry.lost:
             _warn_lost(entry, roots[0])
+        if entry.drew:
+            _warn_drew(entry, roots[0])
     return entry, out
 
 
@@ -235,6 +238,24 @@ def _warn_lost(entry: Entry, f: Any) -> None:
         f"the function is traced again on every call. {instead}, or put an array there "
         "before the first call: an array the function replaces is written back after "
         "every call.",
+        RetraceWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _warn_drew(entry: Entry, f: Any) -> None:
+    """The function drew from a Python random state while traced (`_rng`): compiled, that
+    draw would repeat on every call (the same noise, the same dropout mask)."""
+    code = getattr(f, "__code__", None) or type(f)
+    if (code, "drew") in _WARNED:
+        return
+    _WARNED.add((code, "drew"))
+    warnings.warn(
+        f"{entry.api}: {describe(f)} draws from {' and '.join(entry.drew)} while traced. "
+        "Compiled, that draw would be the same on every call, so the function is traced "
+        "again on every call, to draw afresh as it would uncompiled. To compile it once, "
+        "draw with jax.random from a key you pass in and split each step (`key, sub = "
+        "jax.random.split(key)`), or draw outside the function and pass the values in.",
         RetraceWarning,
         stacklevel=user_stacklevel(),
     )

@@ -103,6 +103,8 @@ class Entry:
         self.cacheable = True
         self.hidden: list[str] = []
         self.lost: list[str] = []  # where the trace stored traced values, taken out again
+        self.rngs = walk.rngs  # the Python random states the function may draw from
+        self.drew: list[str] = []  # those a trace drew from (`_rng`): not reused
         self.cl_slots: tuple[int, ...] | None = None
         self.n_cl = 0
         self.param_pos: tuple[int, ...] = ()
@@ -429,7 +431,9 @@ class Entry:
         """After jax traced the program again (new shapes or dtypes): check that what
         the first trace said about differentiation holds for it."""
         self.retraced = False
-        if self._analysed and not self._holds(dyn):
+        if self._analysed and (not self.cacheable or not self._holds(dyn)):
+            # `cacheable` turned False: this trace drew from a random state or stored
+            # traced values (`_programs._user`), so its program must not be reused.
             self._refuse(dyn)
 
     def _refuse(self, dyn: list[Any]) -> None:

@@ -19,6 +19,7 @@ from . import _jaxpr
 from ._jaxpr import is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
+from ._rng import Draws
 from ._swap import Settle, Swap, Unsettled
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 inner.put(node, None)
         try:
             args = entry.args(vals)
+            draws = Draws(entry.rngs)
             try:
                 if entry.program == CALL:
                     pos, kw = args
@@ -98,6 +100,11 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                     out = fns[0](*args)
             except _TRACE_ERRORS as e:
                 raise _traced_value_error(entry, e) from e
+            drew = draws.changed()
+            if drew:
+                # Compiled, this trace's draw would be repeated on every call.
+                entry.cacheable = False
+                entry.drew += [d for d in drew if d not in entry.drew]
             written: dict[int, Any] = {}
             settle = Settle(per_place, written)
             try:

@@ -63,6 +63,7 @@ from ._guard import (
     is_library_module,
     snapshot,
 )
+from ._rng import rng_of
 
 _SKIP_CLASS_ATTRS = frozenset(
     {
@@ -107,6 +108,9 @@ class Walk:
         # (their attributes are read by name, so the names must be known first).
         self.absolute: dict[int, Any] = {}
         self._keep: list[Any] = []  # keeps memoised ids valid while walking
+        # Python random states met (a np.random.Generator, `rng.normal`): a trace that
+        # draws from one is not reused (`_rng`).
+        self.rngs: list[Any] = []
 
     def root(self, value: Any) -> Node:
         """The function being compiled: walked even when a library defined it (a closure
@@ -268,6 +272,9 @@ class Walk:
         prior = self.seen.get(id(value))
         if prior is not None:
             return Alias(prior)
+        rng = rng_of(value)  # a random state, or its bound method (`rng.normal`)
+        if rng is not None:
+            self.rngs.append(rng)
         if kind is not None:
             return self._holder(value, kind, path)
         if value is sys.modules:

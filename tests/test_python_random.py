@@ -1,0 +1,244 @@
+"""A function that draws from a Python random state while traced (`np.random.rand`,
+`random.random`, a `np.random.Generator` it captures): compiled, its first draw would be
+repeated on every call (the same noise, the same dropout mask). It is traced again on
+every call instead, drawing afresh exactly as the uncompiled function does, and a
+`tg.RetraceWarning` says so once (`treegrad/_rng.py`)."""
+
+import random
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import treegrad as tg
+
+W = jnp.array([1.0, -2.0, 3.0])
+
+
+class MyRandom(random.Random):
+    pass
+
+
+class Holder:
+    def __init__(self, rng):
+        self.rng = rng
+
+
+def _sources():
+    """(name, reseed, draw(n) -> numpy array, label in the message) per random state."""
+    gen = np.random.default_rng(0)
+    rs = np.random.RandomState(0)
+    pyr = random.Random(0)
+    mine = MyRandom(0)
+    held = Holder(np.random.default_rng(0))
+    bound = gen.normal
+    return [
+        (
+            "numpy global",
+            lambda: np.random.seed(0),
+            lambda n: np.random.rand(n),
+            r"numpy's global random state \(np\.random\.rand\.\.\.\)",
+        ),
+        (
+            "python global",
+            lambda: random.seed(0),
+            lambda n: np.array([random.random() for _ in range(n)]),
+            r"Python's global random state \(random\.random\.\.\.\)",
+        ),
+        (
+            "Generator",
+            lambda: setattr(
+                gen.bit_generator, "state", np.random.default_rng(0).bit_generator.state
+            ),
+            lambda n: gen.normal(size=n),
+            r"a numpy\.Generator it captures",
+        ),
+        (
+            "bound method",
+            lambda: setattr(
+                gen.bit_generator, "state", np.random.default_rng(0).bit_generator.state
+            ),
+            lambda n: bound(size=n),
+            r"a numpy\.Generator it captures",
+        ),
+        (
+            "RandomState",
+            lambda: rs.seed(0),
+            lambda n: rs.rand(n),
+            r"a numpy\.RandomState it captures",
+        ),
+        (
+            "random.Random",
+            lambda: pyr.seed(0),
+            lambda n: np.array([pyr.random() for _ in range(n)]),
+            r"a random\.Random it captures",
+        ),
+        (
+            "subclass",
+            lambda: mine.seed(0),
+            lambda n: np.array([mine.gauss(0, 1) for _ in range(n)]),
+            r"a MyRandom it captures",
+        ),
+        (
+            "attribute",
+            lambda: setattr(
+                held.rng.bit_generator, "state", np.random.default_rng(0).bit_generator.state
+            ),
+            lambda n: held.rng.normal(size=n),
+            r"a numpy\.Generator it captures",
+        ),
+    ]
+
+
+SOURCES = _sources()
+
+
+def _message(api, label):
+    return (
+        rf"^{api}: \S+ draws from {label} while traced\. Compiled, that draw would be the same "
+        r"on every call, so the function is traced again on every call, to draw afresh as it "
+        r"would uncompiled\. To compile it once, draw with jax\.random from a key you pass in "
+        r"and split each step \(`key, sub = jax\.random\.split\(key\)`\), or draw outside the "
+        r"function and pass the values in\.$"
+    )
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=[s[0] for s in SOURCES])
+@pytest.mark.parametrize("api", ["tg.gradient", "tg.withgradient", "tg.jit", "implicit"])
+def test_each_call_draws_afresh_as_uncompiled(source, api):
+    _, reseed, draw, label = source
+
+    def loss(w):
+        return jnp.sum(w * jnp.asarray(draw(3), jnp.float32) ** 2)
+
+    # The reference: jax.grad, uncompiled, from the same state.
+    reseed()
+    with jax.disable_jit():
+        ref = [np.asarray(jax.grad(loss)(W)) for _ in range(3)]
+    assert not np.allclose(ref[0], ref[1])  # the draws differ call to call
+
+    reseed()
+    ps = tg.Params([W])
+    step = tg.jit(lambda w: jax.grad(loss)(w))
+    run = {
+        "tg.gradient": lambda: tg.gradient(loss, W)[0],
+        "tg.withgradient": lambda: tg.withgradient(lambda w: loss(w), W)[1][0],
+        "tg.jit": lambda: step(W),
+        "implicit": lambda: tg.gradient(lambda: loss(W), ps)[W],
+    }[api]
+    name = "tg.gradient" if api == "implicit" else api
+    with pytest.warns(tg.RetraceWarning, match=_message(name.replace(".", r"\."), label)) as w:
+        got = [np.asarray(run()) for _ in range(3)]
+    assert len([x for x in w if issubclass(x.category, tg.RetraceWarning)]) == 1  # once
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+def test_a_function_that_draws_nothing_is_traced_once_and_not_warned():
+    traces = []
+    gen = np.random.default_rng(0)  # captured, never drawn from
+
+    def loss(w):
+        traces.append(1)
+        return jnp.sum(w**2) if gen is not None else 0.0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            np.testing.assert_allclose(tg.gradient(loss, W)[0], 2 * W)
+    assert len(traces) == 1
+
+
+def test_a_draw_on_the_first_call_only_is_cached_from_the_second_trace():
+    # Lazy initialisation from numpy's global generator: only the trace that draws is
+    # not reused; the next one draws nothing and is cached, as uncompiled it reads the
+    # value drawn the first time.
+    box = {}
+    traces = []
+
+    def loss(w):
+        traces.append(1)
+        if "noise" not in box:
+            box["noise"] = np.random.normal(size=3).tolist()
+        return jnp.sum(w * jnp.asarray(box["noise"]))
+
+    np.random.seed(3)
+    got = []
+    with pytest.warns(tg.RetraceWarning, match="draws from numpy's global random state"):
+        for _ in range(4):
+            got.append(tg.gradient(loss, W)[0])
+    np.random.seed(3)
+    ref = np.random.normal(size=3)
+    for g in got:
+        np.testing.assert_allclose(g, ref, rtol=1e-6)
+    assert len(traces) == 2
+
+
+def test_a_generator_made_and_seeded_inside_the_function_is_deterministic():
+    # Not a captured state: every call draws the same values, so one trace is right.
+    traces = []
+
+    def loss(w):
+        traces.append(1)
+        return jnp.sum(w * jnp.asarray(np.random.default_rng(3).normal(size=3), jnp.float32))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            g = tg.gradient(loss, W)[0]
+    np.testing.assert_allclose(g, np.random.default_rng(3).normal(size=3), rtol=1e-6)
+    assert len(traces) == 1
+
+
+def test_noise_injected_with_numpy_trains_as_the_uncompiled_loop():
+    # A PyTorch habit: input noise drawn with numpy inside the loss. Compiled once, every
+    # step would see the first step's noise.
+    x = jnp.linspace(-1.0, 1.0, 8)
+    y = 3.0 * x
+
+    def loss(m):
+        noise = np.random.normal(scale=0.1, size=8).astype(np.float32)
+        return jnp.mean((m["a"] * (x + noise) - y) ** 2)
+
+    def train(grad_fn):
+        np.random.seed(7)
+        m = {"a": jnp.array(0.5)}
+        rule = optax.sgd(0.1)
+        st = rule.init(m)
+        for _ in range(5):
+            g = grad_fn(m)
+            u, st = rule.update(g, st)
+            m = optax.apply_updates(m, u)
+        return m["a"]
+
+    with jax.disable_jit():
+        ref = train(jax.grad(loss))
+    with pytest.warns(tg.RetraceWarning, match="numpy's global random state"):
+        got = train(lambda m: tg.gradient(loss, m)[0])
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+def test_a_draw_first_made_when_a_captured_array_changes_shape():
+    # A captured array's new shape makes jax trace the cached program again, and that
+    # trace takes a branch that draws: its program is not reused (it was, with the draw
+    # baked in, before `_engine._reread` asked whether the new trace may be cached).
+    cap = {"v": jnp.ones(3)}
+
+    def loss(w):
+        noise = np.random.rand() if cap["v"].shape[0] == 4 else 1.0
+        return jnp.sum(w) * jnp.sum(cap["v"]) * noise
+
+    w = jnp.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [float(tg.gradient(loss, w)[0][0]) for _ in range(2)] == [3.0, 3.0]
+    cap["v"] = jnp.ones(4)
+    with pytest.warns(tg.RetraceWarning, match="draws from numpy's global random state"):
+        got = [float(tg.gradient(loss, w)[0][0]) for _ in range(4)]
+    assert len(set(got)) == 4  # a new draw each call
+    assert all(0.0 <= g / 4.0 < 1.0 for g in got)  # 4 * rand()
+    cap["v"] = jnp.ones(3)
+    assert [float(tg.gradient(loss, w)[0][0]) for _ in range(2)] == [3.0, 3.0]
