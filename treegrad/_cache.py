@@ -121,7 +121,8 @@ def execute(
     if entry.cacheable:
         _remember(recent_key, call, _store(call.key, entry))
     else:
-        if entry.hidden:
+        if entry.hidden and all(random for _, random in entry.drew):
+            # (Arrays an iterator yields are hidden too: the iterator is named below.)
             _warn_hidden(entry, roots[0])
         if entry.lost:
             _warn_lost(entry, roots[0])
@@ -244,18 +245,34 @@ def _warn_lost(entry: Entry, f: Any) -> None:
 
 
 def _warn_drew(entry: Entry, f: Any) -> None:
-    """The function drew from a Python random state while traced (`_rng`): compiled, that
-    draw would repeat on every call (the same noise, the same dropout mask)."""
+    """The function drew from a Python random state, or took an item from a library
+    iterator, while traced (`_draws`): compiled, that draw would repeat on every call
+    (the same noise, the same dropout mask, the same batch)."""
     code = getattr(f, "__code__", None) or type(f)
     if (code, "drew") in _WARNED:
         return
     _WARNED.add((code, "drew"))
+    randoms = [label for label, random in entry.drew if random]
+    items = [label for label, random in entry.drew if not random]
+    what = [f"draws from {' and '.join(randoms)}"] if randoms else []
+    what += [f"takes items from {' and '.join(items)}"] if items else []
+    fixes = []
+    if randoms:
+        fixes.append(
+            "draw with jax.random from a key you pass in and split each step (`key, sub = "
+            "jax.random.split(key)`), or draw outside the function and pass the values in"
+        )
+    if items:
+        fixes.append(
+            "take the items outside the function and pass them in (`x, y = next(batches)`, "
+            "then `tg.gradient(lambda m: loss(m, x, y), model)`)"
+        )
+    drawn = "that draw" if not items else "that item" if not randoms else "what it drew"
+    fresh = "take the next item" if not randoms else "draw afresh"
     warnings.warn(
-        f"{entry.api}: {describe(f)} draws from {' and '.join(entry.drew)} while traced. "
-        "Compiled, that draw would be the same on every call, so the function is traced "
-        "again on every call, to draw afresh as it would uncompiled. To compile it once, "
-        "draw with jax.random from a key you pass in and split each step (`key, sub = "
-        "jax.random.split(key)`), or draw outside the function and pass the values in.",
+        f"{entry.api}: {describe(f)} {' and '.join(what)} while traced. Compiled, {drawn} "
+        "would be the same on every call, so the function is traced again on every call, "
+        f"to {fresh} as it would uncompiled. To compile it once, {'; '.join(fixes)}.",
         RetraceWarning,
         stacklevel=user_stacklevel(),
     )

@@ -103,8 +103,8 @@ class Entry:
         self.cacheable = True
         self.hidden: list[str] = []
         self.lost: list[str] = []  # where the trace stored traced values, taken out again
-        self.rngs = walk.rngs  # the Python random states the function may draw from
-        self.drew: list[str] = []  # those a trace drew from (`_rng`): not reused
+        self.consumed = walk.consumed  # random states and iterators it may draw from
+        self.drew: list[tuple[str, bool]] = []  # those a trace drew from (`_draws`)
         self.cl_slots: tuple[int, ...] | None = None
         self.n_cl = 0
         self.param_pos: tuple[int, ...] = ()

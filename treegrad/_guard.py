@@ -35,6 +35,7 @@ import contextvars
 import copy
 import sys
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -207,9 +208,13 @@ def _is_pytree_node(x: Any) -> bool:
             # Whether the type is a registered node, not whether this value has leaves:
             # cached by type, an empty one (the state of optax.sgd) must not make
             # every later one of its type a leaf.
-            treedef: Any = jax.tree_util.tree_structure(x)  # jaxlib's stub lacks node_data
+            with warnings.catch_warnings():
+                # jax 0.10 deprecates taking an iterable (an iterator, a generator the
+                # function captures) as a leaf; it is not a node either way.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                treedef: Any = jax.tree_util.tree_structure(x)  # jaxlib's stub lacks node_data
             r = isinstance(x, Module) or treedef.node_data() is not None
-        except (TypeError, ValueError):  # a pytree that cannot flatten this value (unsortable keys)
+        except Exception:  # jax refuses it as a leaf (an iterator, later jax) or can't flatten it
             return False
         _PYTREE_NODE[t] = r
     return r

@@ -16,10 +16,10 @@ import numpy as np
 
 from . import _guard as G
 from . import _jaxpr
+from ._draws import Draws
 from ._jaxpr import is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
-from ._rng import Draws
 from ._swap import Settle, Swap, Unsettled
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 inner.put(node, None)
         try:
             args = entry.args(vals)
-            draws = Draws(entry.rngs)
+            draws = Draws(entry.consumed)
             try:
                 if entry.program == CALL:
                     pos, kw = args

@@ -345,7 +345,7 @@ class Settle:
         """An entry the function added to a dict or object while traced."""
         if self._dropped(value, remove, where):
             return Unchecked()
-        if any(map(is_array, jax.tree_util.tree_leaves(value))):
+        if any(map(is_array, _leaves(value))):
             raise Unsettled
         self.demoted = True
         return Unchecked()
@@ -592,10 +592,20 @@ def holders(nodes: list[Node], places: set[int]) -> set[int]:
     return out
 
 
+def _leaves(value: Any) -> list[Any]:
+    """`value`'s leaves; an iterator it holds (one the function keeps) is a leaf, as jax
+    takes it today with a DeprecationWarning (an error in later jax)."""
+    return jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
+
+
+def _is_iterator(x: Any) -> bool:
+    return hasattr(type(x), "__next__")
+
+
 def _holds_tracer(value: Any) -> bool:
     """Whether `value` holds a traced array (one the function computed while traced)."""
     try:
-        leaves = jax.tree_util.tree_leaves(value)  # [value] for a leaf, a tracer too
+        leaves = _leaves(value)  # [value] for a leaf, a tracer too
     except (TypeError, ValueError):  # a pytree that cannot flatten (a dict of unsortable keys)
         return True  # it may hold one: treated as one, so no tracer can stay behind
     return any(map(is_tracer, leaves))

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from ._codeinfo import PROTOCOL_NAMES, code_info, every_attribute, reads_any_attribute
+from ._draws import consumed
 from ._guard import (
     _CONST_TYPES,
     JITTED_TYPES,
@@ -63,7 +64,6 @@ from ._guard import (
     is_library_module,
     snapshot,
 )
-from ._rng import rng_of
 
 _SKIP_CLASS_ATTRS = frozenset(
     {
@@ -108,9 +108,9 @@ class Walk:
         # (their attributes are read by name, so the names must be known first).
         self.absolute: dict[int, Any] = {}
         self._keep: list[Any] = []  # keeps memoised ids valid while walking
-        # Python random states met (a np.random.Generator, `rng.normal`): a trace that
-        # draws from one is not reused (`_rng`).
-        self.rngs: list[Any] = []
+        # Random states and library iterators met (a np.random.Generator, `rng.normal`,
+        # an iterator of batches): a trace that draws from one is not reused (`_draws`).
+        self.consumed: list[Any] = []
 
     def root(self, value: Any) -> Node:
         """The function being compiled: walked even when a library defined it (a closure
@@ -272,9 +272,10 @@ class Walk:
         prior = self.seen.get(id(value))
         if prior is not None:
             return Alias(prior)
-        rng = rng_of(value)  # a random state, or its bound method (`rng.normal`)
-        if rng is not None:
-            self.rngs.append(rng)
+        # A random state or a library iterator, or its bound method (`rng.normal`).
+        source = consumed(value, _is_library)
+        if source is not None:
+            self.consumed.append(source)
         if kind is not None:
             return self._holder(value, kind, path)
         if value is sys.modules:

@@ -2,9 +2,12 @@
 `random.random`, a `np.random.Generator` it captures): compiled, its first draw would be
 repeated on every call (the same noise, the same dropout mask). It is traced again on
 every call instead, drawing afresh exactly as the uncompiled function does, and a
-`tg.RetraceWarning` says so once (`treegrad/_rng.py`)."""
+`tg.RetraceWarning` says so once (`treegrad/_draws.py`). The same for an item taken
+from an iterator the function captures (`next(batches)`)."""
 
+import itertools
 import random
+import re
 import warnings
 
 import jax
@@ -242,3 +245,147 @@ def test_a_draw_first_made_when_a_captured_array_changes_shape():
     assert all(0.0 <= g / 4.0 < 1.0 for g in got)  # 4 * rand()
     cap["v"] = jnp.ones(3)
     assert [float(tg.gradient(loss, w)[0][0]) for _ in range(2)] == [3.0, 3.0]
+
+
+# --- iterators -------------------------------------------------------------------------
+
+ITEMS = [np.array([1.0, 2.0, 0.5]), np.array([3.0, -1.0, 2.0]), np.array([0.0, 4.0, 1.0])]
+
+
+def _generator():
+    yield from ITEMS
+
+
+def _looping_generator():
+    for item in ITEMS:  # noqa: UP028 -- a loop variable in the frame, unlike `yield from`
+        yield item
+
+
+ITERATORS = {
+    "list_iterator": lambda: iter(ITEMS),
+    "tuple_iterator": lambda: iter(tuple(ITEMS)),
+    "numpy rows": lambda: iter(np.stack(ITEMS)),
+    "generator": _looping_generator,
+    "yield from": _generator,
+    "generator expression": lambda: (x * 1.0 for x in ITEMS),
+    "itertools.cycle": lambda: itertools.cycle(ITEMS),
+    "itertools.islice": lambda: itertools.islice(ITEMS, 3),
+    "itertools.chain": lambda: itertools.chain(ITEMS[:1], ITEMS[1:]),
+    "map": lambda: map(np.asarray, ITEMS),
+    "zip": lambda: (a for a, _ in zip(ITEMS, range(3), strict=True)),
+    "enumerate": lambda: (a for _, a in enumerate(ITEMS)),
+    "dict values": lambda: iter(dict(enumerate(ITEMS)).values()),
+}
+
+
+@pytest.mark.parametrize("make", ITERATORS.values(), ids=list(ITERATORS))
+@pytest.mark.parametrize("api", ["tg.gradient", "tg.jit"])
+def test_each_call_takes_the_next_item_as_uncompiled(make, api):
+    # `next(batches)` inside the loss: compiled once, every call would see the first batch.
+    def run(grad, batches):
+        loss = lambda w: jnp.sum(w**2 * jnp.asarray(next(batches), jnp.float32))
+        return [np.asarray(grad(loss)) for _ in range(3)]
+
+    ref = run(lambda loss: jax.grad(loss)(W), make())
+    with jax.disable_jit():
+        np.testing.assert_allclose(ref, run(lambda loss: jax.grad(loss)(W), make()))
+    assert not np.allclose(ref[0], ref[1])
+    compiled = {
+        "tg.gradient": lambda loss: tg.gradient(loss, W)[0],
+        "tg.jit": lambda loss: tg.jit(lambda w: jax.grad(loss)(w))(W),
+    }[api]
+    with pytest.warns(tg.RetraceWarning) as caught:
+        got = run(compiled, make())
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages  # once, and not the hidden-array warning
+    assert re.fullmatch(
+        re.escape(api) + r": \S+ takes items from an? \S+ it captures while traced\. "
+        r"Compiled, that item would be the same on every call, so the function is traced "
+        r"again on every call, to take the next item as it would uncompiled\. To compile it "
+        r"once, take the items outside the function and pass them in \(`x, y = "
+        r"next\(batches\)`, then `tg\.gradient\(lambda m: loss\(m, x, y\), model\)`\)\.",
+        messages[0],
+    ), messages[0]
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+def test_itertools_count_is_named():
+    counter = itertools.count(1)
+    with pytest.warns(tg.RetraceWarning, match=r"takes items from an itertools\.count it captures"):
+        got = [float(tg.gradient(lambda w: jnp.sum(w) * next(counter), W)[0][0]) for _ in range(3)]
+    assert got == [1.0, 2.0, 3.0]
+
+
+def test_an_iterator_captured_but_not_advanced_is_traced_once():
+    batches = iter(ITEMS)
+    traces = []
+
+    def loss(w):
+        traces.append(1)
+        return jnp.sum(w**2) if batches is not None else 0.0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            np.testing.assert_allclose(tg.gradient(loss, W)[0], 2 * W)
+    assert len(traces) == 1
+    assert next(batches) is ITEMS[0]
+
+
+def test_a_generator_that_yields_the_same_object_is_traced_once():
+    # Its position does not move (the same instruction, the same locals): every call
+    # would take the same item uncompiled too, so one trace is right.
+    scale = np.array([2.0, 2.0, 2.0])
+
+    def forever():
+        while True:
+            yield scale
+
+    source = forever()
+    next(source)
+    traces = []
+
+    def loss(w):
+        traces.append(1)
+        return jnp.sum(w * jnp.asarray(next(source), jnp.float32))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            np.testing.assert_allclose(tg.gradient(loss, W)[0], scale)
+    assert len(traces) == 1
+
+
+def test_a_users_iterator_class_keeps_the_documented_counter_semantics():
+    # Its position is an attribute of the user's object, which the function changes
+    # itself while traced: an output, not checked (docs/compilation.md), as a counter.
+    class Loader:
+        def __init__(self):
+            self.i = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.i += 1
+            return ITEMS[self.i - 1]
+
+    loader = Loader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [tg.gradient(lambda w: jnp.sum(w * next(loader)), W)[0] for _ in range(2)]
+    np.testing.assert_allclose(got[1], ITEMS[0])
+    assert loader.i == 1
+
+
+def test_rows_of_a_jax_array_taken_inside_the_function_are_a_clear_error():
+    # jax's own iterator over an array slices it lazily, so the first trace computes the
+    # rows (as its tracers) into the iterator: the next call's row is a value of a trace
+    # that is over. Named as such, never a stale or wrong gradient.
+    rows = iter(jnp.asarray(np.stack(ITEMS)))
+    loss = lambda w: jnp.sum(w**2 * next(rows))
+    with pytest.warns(tg.RetraceWarning, match="takes items from a generator it captures"):
+        np.testing.assert_allclose(tg.gradient(loss, W)[0], 2 * W * ITEMS[0], rtol=1e-6)
+    with pytest.raises(TypeError, match="reads a traced value through a place treegrad cannot"):
+        tg.gradient(loss, W)
