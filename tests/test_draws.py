@@ -8,6 +8,7 @@ from an iterator the function captures (`next(batches)`)."""
 import itertools
 import random
 import re
+import threading
 import warnings
 
 import jax
@@ -389,3 +390,42 @@ def test_rows_of_a_jax_array_taken_inside_the_function_are_a_clear_error():
         np.testing.assert_allclose(tg.gradient(loss, W)[0], 2 * W * ITEMS[0], rtol=1e-6)
     with pytest.raises(TypeError, match="reads a traced value through a place treegrad cannot"):
         tg.gradient(loss, W)
+
+
+def _noise(n):
+    return np.random.normal(size=n)  # a helper of the user's: walked with the function
+
+
+def test_a_helper_that_draws_is_seen_and_another_threads_draws_are_not():
+    # Only the states the function's code may reach are compared, so a data loader's
+    # thread drawing from numpy's generator meanwhile does not make a function that
+    # never draws trace again on every call (it did, before the states were chosen by
+    # what the function reads).
+    stop = threading.Event()
+
+    def augment():
+        while not stop.is_set():
+            np.random.rand(8)
+            random.random()
+
+    worker = threading.Thread(target=augment, daemon=True)
+    worker.start()
+    try:
+        traces = []
+
+        def pure(w):
+            traces.append(1)
+            return jnp.sum(jnp.sin(w) ** 2)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(5):
+                ref = jax.grad(lambda w: jnp.sum(jnp.sin(w) ** 2))(W)
+                np.testing.assert_allclose(tg.gradient(pure, W)[0], ref, rtol=1e-6)
+        assert len(traces) == 1
+        with pytest.warns(tg.RetraceWarning, match="numpy's global random state"):
+            got = [tg.gradient(lambda w: jnp.sum(w * _noise(3)), W)[0] for _ in range(3)]
+        assert not np.allclose(got[0], got[1])
+    finally:
+        stop.set()
+        worker.join()

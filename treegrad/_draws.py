@@ -131,14 +131,28 @@ def _label(obj: Any) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name} it captures"
 
 
+def global_states(module: Any = None) -> list[Any]:
+    """The module-level random states: those behind `module` (the `random` or
+    `numpy.random` module a function reaches), or both (code that reads an attribute
+    named `random`: `np.random.rand`, `random.random`)."""
+    name = getattr(module, "__name__", None)
+    if module is None:
+        return [s for s in (_GLOBAL_PY, _GLOBAL_NP) if s is not None]
+    if name == "random":
+        return [_GLOBAL_PY] if _GLOBAL_PY is not None else []
+    if name in ("numpy.random", "numpy.random.mtrand"):
+        return [_GLOBAL_NP] if _GLOBAL_NP is not None else []
+    return []
+
+
 class Draws:
-    """The states of the global random generators and of `objs` (random states and
-    iterators the function may consume), taken now; `changed()` names those that
-    moved since (a draw, a reseed, an item taken)."""
+    """The states of `objs` (random states and iterators the function may consume),
+    taken now; `changed()` names those that moved since (a draw, a reseed, an item
+    taken). Only what the function's code may reach is compared: a draw by another
+    thread (a data loader's augmentation) is not taken for the function's."""
 
     def __init__(self, objs: list[Any]):
-        every = [o for o in (_GLOBAL_PY, _GLOBAL_NP, *objs) if o is not None]
-        unique = list({id(o): o for o in every}.values())
+        unique = list({id(o): o for o in objs}.values())
         self.before = [(o, _state(o)) for o in unique]
 
     def changed(self) -> list[tuple[str, bool]]:

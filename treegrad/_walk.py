@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from ._codeinfo import PROTOCOL_NAMES, code_info, every_attribute, reads_any_attribute
-from ._draws import consumed
+from ._draws import consumed, global_states
 from ._guard import (
     _CONST_TYPES,
     JITTED_TYPES,
@@ -191,6 +191,9 @@ class Walk:
                 # Looked up by identity (`weights[layer]`): another object of the same
                 # contents in its place reads another entry.
                 found.ident = Same(k)
+        if self.dynamic or "random" in self.attr_names:
+            # `np.random.rand`, `random.random`: the module-level states (`_draws`).
+            self.consumed += global_states()
         self._absences(nodes)
         self._module_absences(nodes)
         absolute = list(nodes.values())
@@ -337,6 +340,7 @@ class Walk:
             ps.source = self.node(value._sources, path)
             return ps
         if t is types.ModuleType:
+            self.consumed += global_states(value)  # `random`, `numpy.random` (`_draws`)
             # A library module too: its data attributes the code reads (os.environ,
             # a constant a user reassigned, sys.modules: `_modules`) are checked; its
             # functions, classes and submodules are not (`finish`).
