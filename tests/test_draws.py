@@ -5,7 +5,9 @@ every call instead, drawing afresh exactly as the uncompiled function does, and 
 `tg.RetraceWarning` says so once (`treegrad/_draws.py`). The same for an item taken
 from an iterator the function captures (`next(batches)`)."""
 
+import collections
 import itertools
+import queue
 import random
 import re
 import threading
@@ -429,3 +431,85 @@ def test_a_helper_that_draws_is_seen_and_another_threads_draws_are_not():
     finally:
         stop.set()
         worker.join()
+
+
+# --- containers the function takes entries out of ----------------------------------------
+
+CONSUMERS = {
+    "list.pop": (list, lambda c: c.pop()),
+    "list.pop(0)": (list, lambda c: c.pop(0)),
+    "del list[0]": (list, lambda c: (c[0], c.__delitem__(0))[0]),
+    "dict.popitem": (lambda xs: dict(enumerate(xs)), lambda c: c.popitem()[1]),
+    "dict.pop": (lambda xs: dict(enumerate(xs)), lambda c: c.pop(min(c))),
+    "deque.popleft": (collections.deque, lambda c: c.popleft()),
+    "queue.Queue.get": (lambda xs: _queue(xs), lambda c: c.get_nowait()),
+}
+
+
+def _queue(xs):
+    q = queue.Queue()
+    for x in xs:
+        q.put(x)
+    return q
+
+
+def _size(c):
+    return c.qsize() if isinstance(c, queue.Queue) else len(c)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "jax", "float"])
+@pytest.mark.parametrize("consumer", CONSUMERS.values(), ids=list(CONSUMERS))
+def test_entries_taken_out_of_a_captured_container_as_uncompiled(consumer, kind):
+    # `batch = batches.pop()` inside the loss. Before: a list or dict of arrays crashed
+    # (IndexError from putting the arrays back at their old places, or the popped entry
+    # put back), and a deque, a Queue or numbers gave the first entry on every call.
+    make, take = consumer
+    items = {
+        "numpy": [np.array([1.0, 2.0, 0.5]), np.array([3.0, -1.0, 2.0]), np.array([0.0, 4.0, 1.0])],
+        "jax": [
+            jnp.array([1.0, 2.0, 0.5]),
+            jnp.array([3.0, -1.0, 2.0]),
+            jnp.array([0.0, 4.0, 1.0]),
+        ],
+        "float": [2.0, -3.0, 5.0],
+    }[kind]
+
+    def run(grad, batches):
+        loss = lambda w: jnp.sum(w**2 * take(batches))
+        return [np.asarray(grad(loss)) for _ in range(2)], batches
+
+    ref, left_ref = run(lambda loss: jax.grad(loss)(W), make(items))
+    with pytest.warns(
+        tg.RetraceWarning, match=r"takes items from an? \w+ it captures \(entries taken out\)"
+    ):
+        got, left = run(lambda loss: tg.gradient(loss, W)[0], make(items))
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+    assert _size(left) == _size(left_ref) == 1  # what the calls took is gone, as uncompiled
+    last = (
+        left.get_nowait()
+        if isinstance(left, queue.Queue)
+        else next(iter(left.values() if isinstance(left, dict) else left))
+    )
+    assert not isinstance(last, jax.core.Tracer)
+    expected = (
+        left_ref.get_nowait()
+        if isinstance(left_ref, queue.Queue)
+        else next(iter(left_ref.values() if isinstance(left_ref, dict) else left_ref))
+    )
+    assert last is expected or np.array_equal(last, expected)
+
+
+def test_a_list_of_arrays_popped_inside_a_compiled_step():
+    # The arrays left in the list are the user's own (not tracers), at their new places.
+    batches = [jnp.full(3, float(i)) for i in range(4)]
+    kept = list(batches)
+
+    @tg.jit
+    def step(w):
+        return jnp.sum(w * batches.pop(0))
+
+    with pytest.warns(tg.RetraceWarning, match=r"takes items from a list it captures"):
+        got = [float(step(W)) for _ in range(2)]
+    assert got == [float(jnp.sum(W * kept[0])), float(jnp.sum(W * kept[1]))]
+    assert len(batches) == 2 and batches[0] is kept[2] and batches[1] is kept[3]

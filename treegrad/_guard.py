@@ -296,18 +296,23 @@ class Snap(Node):
     """A mutable value the walk cannot see into but can compare (a set, a deque, a
     bytearray, a numpy array of strings, a Mapping that is not a dict: `os.environ`,
     a `ChainMap`): a copy, checked by equality; `as_dict`: compared as `dict(v)`,
-    its keys in order (a function may iterate it, as a dict)."""
+    its keys in order (a function may iterate it, as a dict); `by_identity`: a deque
+    of other values, compared item by item by identity."""
 
-    __slots__ = ("as_dict", "type", "value")
+    __slots__ = ("as_dict", "by_identity", "type", "value")
 
-    def __init__(self, typ: type, value: Any, as_dict: bool = False):
+    def __init__(self, typ: type, value: Any, as_dict: bool = False, by_identity: bool = False):
         self.type: Any = typ
         self.value = value
         self.as_dict = as_dict
+        self.by_identity = by_identity
 
     def equal(self, v: Any) -> bool:
         if type(v) is not self.type:
             return False
+        if self.by_identity:
+            old = self.value
+            return len(v) == len(old) and all(a is b for a, b in zip(v, old, strict=True))
         if isinstance(v, np.ndarray):
             return v.shape == self.value.shape and bool(np.array_equal(v, self.value))
         if self.as_dict:
@@ -472,6 +477,10 @@ def snapshot(value: Any) -> Snap | None:
     if isinstance(value, _SNAP_TYPES):
         if all(type(x) in _CONST_TYPES for x in value):
             return Snap(t, copy.copy(value))
+        if isinstance(value, collections.deque):
+            # Of arrays or objects (a queue of batches): which ones, in order, so that
+            # one taken out (`popleft`, `queue.Queue.get`) is seen.
+            return Snap(t, copy.copy(value), by_identity=True)
         return None
     if isinstance(value, collections.abc.Mapping) and not _is_pytree_node(value):
         # os.environ, a ChainMap, a MappingProxyType: compared as a dict of their items.

@@ -127,6 +127,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
             if not settle.cacheable:
                 entry.cacheable = False
             entry.lost += [w for w in settle.lost if w not in entry.lost]
+            entry.drew += [(t, False) for t in settle.took if (t, False) not in entry.drew]
             entry.demoted = entry.demoted or settle.demoted
             return out, written
         finally:

@@ -177,7 +177,7 @@ class Swap:
     def _set_item(self, container: Any, key: Any, new: Any) -> None:
         old = container[key]
         if new is not old:
-            self._log(lambda: container.__setitem__(key, old))
+            self._log(functools.partial(_put_back, container, key, new, old))
             container[key] = new
 
     def _set_attr(self, obj: Any, name: str, new: Any, plain: bool = True) -> None:
@@ -227,6 +227,23 @@ class Swap:
             return jax.tree_util.tree_unflatten(treedef, new)
         self._log(lambda: _restore_tree(v, treedef, leaves))
         return v
+
+
+def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
+    """Undo `container[key] = new`: `old` back wherever `new` is now. The function may
+    have taken entries out while traced (`batches.pop(0)` shifts a list, `d.popitem()`),
+    and the container is left as it left it, its other arrays in their new places, as
+    uncompiled; an entry it removed is not brought back."""
+    try:
+        if container[key] is new:
+            container[key] = old
+            return
+    except (KeyError, IndexError):
+        pass
+    keys = range(len(container)) if isinstance(container, list) else list(container)
+    for k in keys:
+        if container[k] is new:
+            container[k] = old
 
 
 def _untrace(d: dict[str, Any], kept: list[tuple[str, Any]]) -> None:
@@ -294,6 +311,13 @@ class Settle:
         # Where the function stored values computed from the traced arrays, taken out
         # again (see `_entry`, `_dropped`): said once to the user (`_cache._warn_lost`).
         self.lost: list[str] = []
+        # Containers it took entries out of (`batches.pop()`): the next call reads what
+        # is left, as uncompiled, so this trace is not reused (`_cache._warn_drew`).
+        self.took: list[str] = []
+
+    def _took(self, v: Any) -> None:
+        self.took.append(f"a {type(v).__name__} it captures (entries taken out)")
+        self.cacheable = False
 
     def _demote(self, node: Node, v: Any) -> Node:
         if has_places(node) or is_array(v):
@@ -386,7 +410,11 @@ class Settle:
                 return node
             return self._demote(node, v)
         if isinstance(node, Snap):
-            return node if node.equal(v) else self._demote(node, v)
+            if node.equal(v):
+                return node
+            if type(v) is node.type and len(v) < len(node.value):
+                self._took(v)
+            return self._demote(node, v)
         if isinstance(node, Same):
             return node if v is node.get() else self._demote(node, v)
         if isinstance(node, Unchecked):
@@ -407,6 +435,8 @@ class Settle:
                 self.lost.append(f"{len(v) - n} item(s) appended to a list")
                 del v[n:]
                 self.cacheable = False
+            if isinstance(v, list) and len(v) < n:
+                self._took(v)
             if type(v) is not node.type or len(v) != len(node.items):
                 return self._demote(node, v)
             node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
@@ -415,6 +445,8 @@ class Settle:
             if type(v) is not node.type:
                 return self._demote(node, v)
             of = "" if node.type is dict else node.type.__name__
+            if any(k not in v for k, _ in node.items):
+                self._took(v)
             items = self._entries(node.items, v, of=of)
             if [k for k, _ in items] != list(v):
                 # The function reordered the dict: the order is its output, not checked.
