@@ -513,3 +513,48 @@ def test_a_list_of_arrays_popped_inside_a_compiled_step():
         got = [float(step(W)) for _ in range(2)]
     assert got == [float(jnp.sum(W * kept[0])), float(jnp.sum(W * kept[1]))]
     assert len(batches) == 2 and batches[0] is kept[2] and batches[1] is kept[3]
+
+
+def test_a_log_file_written_inside_is_not_taken_for_an_iterator(tmp_path):
+    # Writing is a side effect while traced (as with jax.jit), not items taken: one trace.
+    traces = []
+    with open(tmp_path / "log.txt", "w") as log:
+
+        def loss(w):
+            traces.append(1)
+            log.write("traced\n")
+            return jnp.sum(w**2)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                np.testing.assert_allclose(tg.gradient(loss, W)[0], 2 * W)
+    assert len(traces) == 1
+
+
+def test_a_file_read_line_by_line_inside_gives_the_next_line(tmp_path):
+    path = tmp_path / "scales.txt"
+    path.write_text("1.5\n-2\n4\n")
+    with (
+        open(path) as src,
+        pytest.warns(tg.RetraceWarning, match="takes items from a TextIOWrapper"),
+    ):
+        got = [
+            float(tg.gradient(lambda w: jnp.sum(w) * float(src.readline()), W)[0][0])
+            for _ in range(3)
+        ]
+    assert got == [1.5, -2.0, 4.0]
+
+
+def test_a_generator_whose_locals_hold_themselves():
+    # Its position is read through its locals: a list holding itself must not recurse.
+    def batches():
+        box = [1.0]
+        box.append(box)
+        for i in range(3):
+            yield float(i + 1)
+
+    source = batches()
+    with pytest.warns(tg.RetraceWarning, match="takes items from a generator"):
+        got = [float(tg.gradient(lambda w: jnp.sum(w) * next(source), W)[0][0]) for _ in range(3)]
+    assert got == [1.0, 2.0, 3.0]

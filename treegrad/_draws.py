@@ -15,6 +15,7 @@ position is an attribute); these are the library's, whose position is internal.
 
 from __future__ import annotations
 
+import io
 import random
 import types
 import warnings
@@ -37,7 +38,11 @@ def consumed(value: Any, is_library: Callable[[type], bool]) -> Any:
     if t in _BOUND:
         value = value.__self__
         t = type(value)
-    if issubclass(t, RNG_TYPES) or (_is_iterator(t) and is_library(t)):
+    if issubclass(t, RNG_TYPES):
+        return value
+    if _is_iterator(t) and is_library(t):
+        if issubclass(t, io.IOBase) and (value.closed or not value.readable()):
+            return None  # a log file it writes to: no items are taken from it
         return value
     return None
 
@@ -73,6 +78,8 @@ def _position(it: Any, depth: int) -> Any:
     is paused at and what its locals are)."""
     if depth > 8:
         return _UNKNOWN
+    if isinstance(it, io.IOBase):
+        return it.tell() if it.seekable() else _UNKNOWN  # a file read line by line
     if type(it) is types.GeneratorType:
         frame = it.gi_frame
         if frame is None:
@@ -97,13 +104,15 @@ def _value(v: Any, depth: int) -> Any:
     t = type(v)
     if t in _PLAIN:
         return v
+    if depth > 8:  # deep, or a container holding itself
+        return ("object", id(v))
     if t is tuple or t is list:
-        return tuple(_value(x, depth) for x in v)
+        return tuple(_value(x, depth + 1) for x in v)
     if t is dict:
-        return tuple((k, _value(x, depth)) for k, x in v.items())
+        return tuple((k, _value(x, depth + 1)) for k, x in v.items())
     if _is_iterator(t):
         return _position(v, depth + 1)
-    return ("object", id(v))  # arrays, functions, containers: by identity
+    return ("object", id(v))  # arrays, functions, other objects: by identity
 
 
 def _equal(a: Any, b: Any) -> bool:
