@@ -112,8 +112,30 @@ def _message(api, label):
     )
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=[s[0] for s in SOURCES])
-@pytest.mark.parametrize("api", ["tg.gradient", "tg.withgradient", "tg.jit", "implicit"])
+def _table(rows, apis, default_rows, default_api):
+    """`(row, api)` pairs; those off the default row and the default api are slow (the
+    whole table runs in the slow selection, a cross of it by default)."""
+    return [
+        pytest.param(
+            row,
+            api,
+            id=f"{api}-{name}",
+            marks=() if name in default_rows or api == default_api else pytest.mark.slow,
+        )
+        for api in apis
+        for name, row in rows
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "api"),
+    _table(
+        [(s[0], s) for s in SOURCES],
+        ["tg.gradient", "tg.withgradient", "tg.jit", "implicit"],
+        ("numpy global", "Generator"),
+        "tg.gradient",
+    ),
+)
 def test_each_call_draws_afresh_as_uncompiled(source, api):
     _, reseed, draw, label = source
 
@@ -281,8 +303,10 @@ ITERATORS = {
 }
 
 
-@pytest.mark.parametrize("make", ITERATORS.values(), ids=list(ITERATORS))
-@pytest.mark.parametrize("api", ["tg.gradient", "tg.jit"])
+@pytest.mark.parametrize(
+    ("make", "api"),
+    _table(list(ITERATORS.items()), ["tg.gradient", "tg.jit"], ("generator",), "tg.gradient"),
+)
 def test_each_call_takes_the_next_item_as_uncompiled(make, api):
     # `next(batches)` inside the loss: compiled once, every call would see the first batch.
     def run(grad, batches):
@@ -457,8 +481,10 @@ def _size(c):
     return c.qsize() if isinstance(c, queue.Queue) else len(c)
 
 
-@pytest.mark.parametrize("kind", ["numpy", "jax", "float"])
-@pytest.mark.parametrize("consumer", CONSUMERS.values(), ids=list(CONSUMERS))
+@pytest.mark.parametrize(
+    ("consumer", "kind"),
+    _table(list(CONSUMERS.items()), ["jax", "numpy", "float"], ("list.pop",), "jax"),
+)
 def test_entries_taken_out_of_a_captured_container_as_uncompiled(consumer, kind):
     # `batch = batches.pop()` inside the loss. Before: a list or dict of arrays crashed
     # (IndexError from putting the arrays back at their old places, or the popped entry
