@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import treegrad as tg
+from treegrad import nn
 
 W = jnp.array([1.0, -2.0, 3.0])
 
@@ -584,3 +585,43 @@ def test_a_generator_whose_locals_hold_themselves():
     with pytest.warns(tg.RetraceWarning, match="takes items from a generator"):
         got = [float(tg.gradient(lambda w: jnp.sum(w) * next(source), W)[0][0]) for _ in range(3)]
     assert got == [1.0, 2.0, 3.0]
+
+
+class _Stack(tg.Module):
+    def __init__(self):
+        self.layers = [nn.Dense(2, 2, key=jax.random.key(i)) for i in range(4)]
+
+
+def test_layers_popped_or_swapped_in_a_captured_model_keep_their_own_weights():
+    # The arrays put in the model for the trace were put back by position: after
+    # `model.layers.pop(0)` every remaining layer got the weights of the one before it,
+    # silently (and a swap of two layers swapped their weights back). Now each goes back
+    # to the layer that holds it, as uncompiled.
+    x = jnp.ones((1, 2))
+
+    def run(grad):
+        m = _Stack()
+
+        def pop(w):
+            layer = m.layers.pop(0)
+            return jnp.sum(layer(x) * w)
+
+        def swap(w):
+            m.layers[0], m.layers[1] = m.layers[1], m.layers[0]
+            return jnp.sum(m.layers[0](x) * w)
+
+        grads = [np.asarray(grad(pop)) for _ in range(2)] + [
+            np.asarray(grad(swap)) for _ in range(3)
+        ]
+        return grads, m
+
+    ref, m_ref = run(lambda f: jax.grad(f)(jnp.ones(2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tg.RetraceWarning)
+        got, m = run(lambda f: tg.gradient(f, jnp.ones(2))[0])
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+    assert len(m.layers) == len(m_ref.layers) == 2
+    for a, b in zip(jax.tree_util.tree_leaves(m), jax.tree_util.tree_leaves(m_ref), strict=True):
+        assert not isinstance(a, jax.core.Tracer)
+        np.testing.assert_array_equal(a, b)

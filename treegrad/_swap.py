@@ -225,7 +225,8 @@ class Swap:
         except TypeError:
             # Not writable in place (an immutable pytree): the parent rebinds a new one.
             return jax.tree_util.tree_unflatten(treedef, new)
-        self._log(lambda: _restore_tree(v, treedef, leaves))
+        ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
+        self._log(lambda: _restore_tree(v, treedef, leaves, ours))
         return v
 
 
@@ -252,12 +253,17 @@ def _untrace(d: dict[str, Any], kept: list[tuple[str, Any]]) -> None:
             d[k] = old
 
 
-def _restore_tree(v: Any, treedef: Any, leaves: list[Any]) -> None:
-    """Put the original leaves back, whatever the trace rebound meanwhile: by position,
-    or, where the function changed the structure (a static attribute it counts in,
-    a new attribute), by key path, so no traced value stays in the user's model."""
+def _restore_tree(v: Any, treedef: Any, leaves: list[Any], ours: dict[int, Any]) -> None:
+    """Put the original leaves back, whatever the trace did meanwhile, so no traced value
+    stays in the user's model. A value put there for the trace (`ours`: by its id) goes
+    back as the original wherever it is now: the function may have moved it (a layer
+    popped from a list shifts the others). One the function rebound goes back by
+    position, or, where it changed the structure (a static attribute it counts in, a
+    new attribute), by key path."""
     now, now_def = jax.tree_util.tree_flatten(v)
-    if now_def == treedef:
+    if all(id(b) in ours or not is_tracer(b) for b in now):
+        back = {id(b): ours[id(b)] for b in now if id(b) in ours}
+    elif now_def == treedef:
         back = {id(b): a for a, b in zip(leaves, now, strict=True) if a is not b}
     else:
         old_paths, now_paths = _key_paths(treedef), _key_paths(now_def)
