@@ -625,3 +625,60 @@ def test_layers_popped_or_swapped_in_a_captured_model_keep_their_own_weights():
     for a, b in zip(jax.tree_util.tree_leaves(m), jax.tree_util.tree_leaves(m_ref), strict=True):
         assert not isinstance(a, jax.core.Tracer)
         np.testing.assert_array_equal(a, b)
+
+
+_BATCHES = []
+
+
+def _take_from_global(w):
+    global _BATCHES
+    first, _BATCHES = _BATCHES[0], _BATCHES[1:]
+    return jnp.sum(w**2 * first)
+
+
+@pytest.mark.parametrize("where", ["global", "attribute", "nonlocal", "dict entry"])
+def test_a_captured_list_rebound_to_a_slice_of_itself(where):
+    # `batches = batches[1:]` on a captured variable: the new list held the trace's
+    # values in place of the user's arrays, so the user's state held tracers after the
+    # call and the next call failed with UnexpectedTracerError. The user's own arrays
+    # are now in the new list, as uncompiled.
+    global _BATCHES
+    items = [jnp.full(3, float(i + 1)) for i in range(3)]
+
+    class Holder:
+        pass
+
+    holder, box = Holder(), {}
+
+    def make():
+        nonlocal_batches = list(items)
+
+        def take(w):
+            nonlocal nonlocal_batches
+            first, nonlocal_batches = nonlocal_batches[0], nonlocal_batches[1:]
+            return jnp.sum(w**2 * first)
+
+        return take, lambda: nonlocal_batches
+
+    def from_attribute(w):
+        first, holder.batches = holder.batches[0], holder.batches[1:]
+        return jnp.sum(w**2 * first)
+
+    def from_dict(w):
+        first, box["batches"] = box["batches"][0], box["batches"][1:]
+        return jnp.sum(w**2 * first)
+
+    _BATCHES, holder.batches, box["batches"] = list(items), list(items), list(items)
+    take_nonlocal, left_nonlocal = make()
+    loss, left = {
+        "global": (_take_from_global, lambda: _BATCHES),
+        "attribute": (from_attribute, lambda: holder.batches),
+        "nonlocal": (take_nonlocal, left_nonlocal),
+        "dict entry": (from_dict, lambda: box["batches"]),
+    }[where]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tg.RetraceWarning)
+        got = [tg.gradient(loss, W)[0] for _ in range(2)]
+    for k, g in enumerate(got):
+        np.testing.assert_allclose(g, 2 * W * items[k], rtol=1e-6)
+    assert len(left()) == 1 and left()[0] is items[2]  # the user's own array, not a tracer

@@ -98,6 +98,7 @@ class Entry:
         self.a_shared = call.a_shared
         self.n_args = len(call.a_uniq)
         self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
+        self.rebound: list[Any] = []  # during a trace: see `_swap.Settle.rebound`
         self.demoted = False
         self._writers: dict[tuple[int, ...], WriteBack] = {}
         self.cacheable = True

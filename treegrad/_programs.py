@@ -52,6 +52,7 @@ def trace(
     roots = entry.stack[-1]
     swap = Swap(expand(dyn[: entry.n_cl], entry.cl_slots))
     outer, entry.placement = entry.placement, placed
+    outer_rebound, entry.rebound = entry.rebound, []
     try:
         fns = [swap.put(node, root) for node, root in zip(entry.nodes, roots, strict=True)]
         for node in entry.absolute:
@@ -60,6 +61,8 @@ def trace(
             return _PROGRAMS[entry.program](entry, fns, dyn, *extra)
     finally:
         swap.restore()
+        swap.detrace(entry.rebound)
+        entry.rebound = outer_rebound
         entry.placement = outer
 
 
@@ -76,6 +79,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
             vals[i] = x
         per_place = expand(vals[: entry.n_cl], entry.cl_slots)
         inner = None
+        inner_rebound: list[Any] = []
         if entry.implicit and active:
             # Parameters live in the closure: put the differentiated tracers in their places.
             chosen = set(active)
@@ -109,8 +113,15 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
             settle = Settle(per_place, written)
             try:
                 roots = entry.stack[-1]
-                entry.nodes = [settle.node(n, r) for n, r in zip(entry.nodes, roots, strict=True)]
-                entry.absolute = [settle.node(n, None) for n in entry.absolute]
+                try:
+                    entry.nodes = [
+                        settle.node(n, r) for n, r in zip(entry.nodes, roots, strict=True)
+                    ]
+                    entry.absolute = [settle.node(n, None) for n in entry.absolute]
+                finally:
+                    entry.rebound += settle.rebound  # (the outer swap's values)
+                    if inner is not None:
+                        inner_rebound.extend(settle.rebound)
             except Unsettled as e:
                 if written:
                     # The function rebound arrays, and also changed where arrays live:
@@ -133,6 +144,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
         finally:
             if inner is not None:
                 inner.restore()
+                inner.detrace(inner_rebound)
 
     return call
 

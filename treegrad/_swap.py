@@ -77,10 +77,25 @@ class Swap:
         # arrays back after each call does not walk everything the function reads.
         self.only = only
         self.undo: list[Callable[[], None]] = []
+        # Each value written into a place, by id, with what was there (the trace's
+        # tracers and the user's arrays): `detrace` puts the user's back.
+        self.originals: dict[int, Any] = {}
 
     def restore(self) -> None:
         while self.undo:
             self.undo.pop()()
+
+    def detrace(self, rebound: list[tuple[Callable[[Any, Any], Any], Any, Any]]) -> None:
+        """After `restore`: the values the function bound in the user's places while
+        traced (`Settle.rebound`: `batches = batches[1:]` on a global, an attribute,
+        a closure variable) hold the trace's values where the user's arrays were; the
+        user's arrays go back in them, as the uncompiled function would leave them."""
+        if not self.originals:
+            return
+        for put, key, value in rebound:
+            new = _detrace(value, self.originals, set())
+            if new is not value:
+                put(key, new)
 
     def _log(self, fn: Callable[[], None]) -> None:
         if self.record:
@@ -92,7 +107,11 @@ class Swap:
             return v
         if isinstance(node, Array):
             new = self.values[node.place]
-            return v if new is MISSING else new
+            if new is MISSING:
+                return v
+            if self.record and new is not v:
+                self.originals[id(new)] = v
+            return new
         if isinstance(node, Seq):
             if isinstance(v, list):
                 for i, child in enumerate(node.items):
@@ -230,6 +249,42 @@ class Swap:
         return v
 
 
+def _detrace(v: Any, originals: dict[int, Any], seen: set[int]) -> Any:
+    """`v` with each value of `originals` (by id) in it replaced by the original: lists
+    and dicts in place, tuples and immutable pytrees rebuilt, other pytrees rebound."""
+    got = originals.get(id(v), MISSING)
+    if got is not MISSING:
+        return got
+    if id(v) in seen:
+        return v
+    seen.add(id(v))
+    t = type(v)
+    if t is list or t is dict:
+        keys = range(len(v)) if t is list else list(v)
+        for k in keys:
+            x = v[k]
+            y = _detrace(x, originals, seen)
+            if y is not x:
+                v[k] = y
+        return v
+    if isinstance(v, tuple):
+        items = [_detrace(x, originals, seen) for x in v]
+        if all(a is b for a, b in zip(items, v, strict=True)):
+            return v
+        return t._make(items) if hasattr(v, "_fields") else t(items)
+    if t in (int, float, str, bytes, bool, type(None)) or is_tracer(v):
+        return v
+    leaves, treedef = jax.tree_util.tree_flatten(v, is_leaf=_is_iterator)
+    back = {id(x): originals[id(x)] for x in leaves if id(x) in originals}
+    if not back:
+        return v
+    try:
+        rebind(v, back)
+    except TypeError:  # immutable: a new one
+        return jax.tree_util.tree_unflatten(treedef, [back.get(id(x), x) for x in leaves])
+    return v
+
+
 def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
     """Undo `container[key] = new`: `old` back wherever `new` is now. The function may
     have taken entries out while traced (`batches.pop(0)` shifts a list, `d.popitem()`),
@@ -320,6 +375,10 @@ class Settle:
         # Containers it took entries out of (`batches.pop()`): the next call reads what
         # is left, as uncompiled, so this trace is not reused (`_cache._warn_drew`).
         self.took: list[str] = []
+        # Places that held the trace's arrays and that the function bound to a new
+        # value holding them (`batches = batches[1:]`): `(put, key, value)`, for
+        # `Swap.detrace` once the trace is over.
+        self.rebound: list[tuple[Callable[[Any, Any], Any], Any, Any]] = []
 
     def _took(self, v: Any) -> None:
         self.took.append(f"a {type(v).__name__} it captures (entries taken out)")
@@ -369,6 +428,8 @@ class Settle:
             self.lost.append(where)
             self.cacheable = False  # traced again each call; the places stay where they were
             return node
+        if has_places(node) and _holds_tracer(value):
+            self.rebound.append((put, key, value))
         return self.node(node, value)
 
     def _added(self, value: Any, remove: Callable[[], Any], where: str) -> Node:
