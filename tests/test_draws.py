@@ -682,3 +682,59 @@ def test_a_captured_list_rebound_to_a_slice_of_itself(where):
     for k, g in enumerate(got):
         np.testing.assert_allclose(g, 2 * W * items[k], rtol=1e-6)
     assert len(left()) == 1 and left()[0] is items[2]  # the user's own array, not a tracer
+
+
+_LAST_SEEN = None
+
+
+@pytest.mark.parametrize("api", ["tg.gradient", "tg.jit"])
+def test_captured_arrays_stored_by_the_function_stay_as_uncompiled(api):
+    # `history.append(model["w"])`, `tracker.best = model["w"]`, a default filled in a
+    # dict, a global: the stored value is one of the function's own inputs, so the
+    # user's array (not a tracer, not nothing) is what uncompiled leaves there. These
+    # were taken out again (a history that stayed empty), or left as a tracer of the
+    # trace that the next call tripped over (UnexpectedTracerError).
+    global _LAST_SEEN
+
+    class Tracker:
+        best = None
+
+    def run(grad):
+        global _LAST_SEEN
+        _LAST_SEEN = None
+        model = {"w": jnp.array([1.0, 2.0, 3.0])}
+        history, saved, tracker = [], {}, Tracker()
+
+        def loss(v):
+            global _LAST_SEEN
+            history.append(model["w"])
+            tracker.best = model["w"]
+            saved.setdefault("w0", model["w"])
+            _LAST_SEEN = model["w"]
+            return jnp.sum(v * model["w"])
+
+        grads, seen = [], []
+        for _ in range(3):
+            grads.append(np.asarray(grad(loss)))
+            seen.append(model["w"])
+            model["w"] = model["w"] + 1.0
+        return grads, seen, history, saved, tracker, _LAST_SEEN
+
+    ref = run(lambda loss: jax.grad(loss)(jnp.ones(3)))
+    compiled = {
+        "tg.gradient": lambda loss: tg.gradient(loss, jnp.ones(3))[0],
+        "tg.jit": lambda loss: tg.jit(lambda v: jax.grad(loss)(v))(jnp.ones(3)),
+    }[api]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads, seen, history, saved, tracker, last = run(compiled)
+    for g, r in zip(grads, ref[0], strict=True):
+        np.testing.assert_allclose(g, r)
+    assert len(history) == 3
+    for h, s in zip(history, seen, strict=True):
+        assert not isinstance(h, jax.core.Tracer)
+        np.testing.assert_array_equal(h, s)
+    assert saved["w0"] is seen[0]  # the user's own array, filled on the first call
+    np.testing.assert_array_equal(tracker.best, seen[2])
+    np.testing.assert_array_equal(last, seen[2])
+    assert not any(isinstance(x, jax.core.Tracer) for x in (tracker.best, last))

@@ -80,10 +80,23 @@ class Swap:
         # Each value written into a place, by id, with what was there (the trace's
         # tracers and the user's arrays): `detrace` puts the user's back.
         self.originals: dict[int, Any] = {}
+        self.touched: list[tuple[Any, Any, Any]] = []  # (container, key, old) written
 
     def restore(self) -> None:
         while self.undo:
             self.undo.pop()()
+        # A place the function rebound to a traced value is cleared too: to the user's
+        # array that traced value stands for, if it is one of ours (`self.best =
+        # model.w`), else to what was there (an array it computed is written back
+        # after the call, as an output).
+        for container, key, old in self.touched:
+            try:
+                now = container[key]
+            except (KeyError, IndexError):
+                continue
+            if is_tracer(now):
+                container[key] = self.originals.get(id(now), old)
+        self.touched.clear()
 
     def detrace(self, rebound: list[tuple[Callable[[Any, Any], Any], Any, Any]]) -> None:
         """After `restore`: the values the function bound in the user's places while
@@ -197,6 +210,8 @@ class Swap:
         old = container[key]
         if new is not old:
             self._log(functools.partial(_put_back, container, key, new, old))
+            if self.record:
+                self.touched.append((container, key, old))
             container[key] = new
 
     def _set_attr(self, obj: Any, name: str, new: Any, plain: bool = True) -> None:
@@ -289,7 +304,8 @@ def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
     """Undo `container[key] = new`: `old` back wherever `new` is now. The function may
     have taken entries out while traced (`batches.pop(0)` shifts a list, `d.popitem()`),
     and the container is left as it left it, its other arrays in their new places, as
-    uncompiled; an entry it removed is not brought back."""
+    uncompiled; an entry it removed is not brought back. (A place it rebound: see
+    `Swap.restore`.)"""
     try:
         if container[key] is new:
             container[key] = old
@@ -379,6 +395,29 @@ class Settle:
         # value holding them (`batches = batches[1:]`): `(put, key, value)`, for
         # `Swap.detrace` once the trace is over.
         self.rebound: list[tuple[Callable[[Any, Any], Any], Any, Any]] = []
+        self._ours: set[int] | None = None
+
+    def _kept(self, value: Any, put: Callable[[Any, Any], Any], key: Any) -> bool:
+        """A value the function stored that holds no traced value but the trace's own
+        inputs (`self.best = model.w`, `history.append(model.w)`, `saved["w0"] =
+        model.w`): the user's arrays, which stay there (`Swap.detrace` puts them back in
+        place of the inputs' tracers), as uncompiled. The trace is not reused: the
+        place now holds an array. Whether it was such a value."""
+        if value is MISSING:
+            return False
+        try:
+            tracers = [x for x in _leaves(value) if is_tracer(x)]
+        except (TypeError, ValueError):  # a pytree that cannot flatten (unsortable keys)
+            return False
+        if not tracers:
+            return False
+        if self._ours is None:
+            self._ours = {id(x) for x in self.put if x is not MISSING}
+        if not all(id(x) in self._ours for x in tracers):
+            return False
+        self.rebound.append((put, key, value))
+        self.cacheable = False
+        return True
 
     def _took(self, v: Any) -> None:
         self.took.append(f"a {type(v).__name__} it captures (entries taken out)")
@@ -412,6 +451,9 @@ class Settle:
                 self.demoted = True
         known = {key for key, _ in items}.union(skipped)
         for key in [k for k in d if k not in known]:
+            if self._kept(d[key], d.__setitem__, key):
+                out.append((key, Unchecked()))
+                continue
             added = self._added(d[key], functools.partial(d.pop, key, None), _where(key, of))
             if key in d:  # else removed again: a traced value (`_added`)
                 out.append((key, added))
@@ -424,6 +466,8 @@ class Settle:
         that the function replaced by a value computed from traced arrays (a lazy
         `self.cache = f(self.w)`) is put back, so no tracer stays in the user's object."""
         if isinstance(node, (Const, Same)) and _holds_tracer(value):
+            if self._kept(value, put, key):
+                return node
             put(key, node.value if isinstance(node, Const) else node.get())
             self.lost.append(where)
             self.cacheable = False  # traced again each call; the places stay where they were
@@ -497,11 +541,14 @@ class Settle:
         if isinstance(node, Seq):
             n = len(node.items)
             if type(v) is list and len(v) > n and any(map(_holds_tracer, v[n:])):
-                # Values computed from the traced arrays appended while traced (a log):
-                # removed, as a cache filled on first use is (`_added`).
-                self.lost.append(f"{len(v) - n} item(s) appended to a list")
-                del v[n:]
-                self.cacheable = False
+                kept = [i for i in range(n, len(v)) if self._kept(v[i], v.__setitem__, i)]
+                if len(kept) < len(v) - n:
+                    # Values computed from the traced arrays appended while traced (a
+                    # log): removed, as a cache filled on first use is (`_added`).
+                    self.lost.append(f"{len(v) - n} item(s) appended to a list")
+                    del v[n:]
+                    self.rebound = [r for r in self.rebound if r[0] != v.__setitem__]
+                    self.cacheable = False
             if isinstance(v, list) and len(v) < n:
                 self._took(v)
             if type(v) is not node.type or len(v) != len(node.items):
@@ -536,6 +583,9 @@ class Settle:
                 except ValueError:
                     value = MISSING
                 if cell_node is None:
+                    if self._kept(value, functools.partial(_put_cell, cell), None):
+                        cells.append(Unchecked())
+                        continue
                     if self._dropped(value, functools.partial(_empty_cell, cell), place):
                         value = MISSING
                     cells.append(None if value is MISSING else self._demote(Unchecked(), value))
@@ -551,7 +601,9 @@ class Settle:
                 # A global the function assigned a traced value (`global G; G = loss`):
                 # put back, or removed if it was new, as an object's attribute is.
                 value = g.get(name, MISSING)
-                if global_node is None:
+                if global_node is None and self._kept(value, g.__setitem__, name):
+                    names.append((name, Unchecked()))
+                elif global_node is None:
                     if self._dropped(
                         value, functools.partial(g.pop, name, None), f"global {name!r}"
                     ):
