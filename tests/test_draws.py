@@ -738,3 +738,56 @@ def test_captured_arrays_stored_by_the_function_stay_as_uncompiled(api):
     np.testing.assert_array_equal(tracker.best, seen[2])
     np.testing.assert_array_equal(last, seen[2])
     assert not any(isinstance(x, jax.core.Tracer) for x in (tracker.best, last))
+
+
+def test_a_history_of_weights_kept_by_a_compiled_implicit_step():
+    # The weights before each update, appended by the step: the user's arrays, as the
+    # step run uncompiled leaves them (the second call raised a TypeError, "changed where
+    # its arrays live", once the history held an array).
+    x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+
+    def setup():
+        model = nn.Chain(
+            nn.Dense(2, 3, key=jax.random.key(0)), nn.Dense(3, 1, key=jax.random.key(1))
+        )
+        ps = tg.params(model)
+        return model, ps, tg.setup(optax.sgd(0.1), ps), []
+
+    def body(model, ps, state, history):
+        grads = tg.gradient(lambda: jnp.mean((model(x) - y) ** 2), ps)
+        history.append(model[0].weight)
+        tg.update_(state, ps, grads)
+
+    model_ref, ps_ref, st_ref, hist_ref = setup()
+    for _ in range(3):
+        body(model_ref, ps_ref, st_ref, hist_ref)
+    model, ps, state, history = setup()
+    step = tg.jit(lambda: body(model, ps, state, history))
+    for _ in range(3):
+        step()
+    assert len(history) == 3
+    for h, r in zip(history, hist_ref, strict=True):
+        assert not isinstance(h, jax.core.Tracer)
+        np.testing.assert_allclose(h, r, rtol=1e-6)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(model_ref), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_parameter_stored_by_an_implicit_loss_is_the_users_array():
+    # In implicit mode the parameters sit on two layers of the trace's values (the
+    # closure's, and the differentiated ones on them): both are taken off.
+    model = nn.Chain(nn.Dense(2, 3, key=jax.random.key(0)), nn.Dense(3, 1, key=jax.random.key(1)))
+    ps = tg.params(model)
+    x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+    snap = []
+
+    def loss():
+        snap.append(model[0].weight)
+        return jnp.mean((model(x) - y) ** 2)
+
+    grads = tg.gradient(loss, ps)
+    assert len(snap) == 1 and snap[0] is model[0].weight
+    ref = jax.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    np.testing.assert_allclose(grads[model[0].weight], ref[0].weight, rtol=1e-6)

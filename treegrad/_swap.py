@@ -98,17 +98,21 @@ class Swap:
                 container[key] = self.originals.get(id(now), old)
         self.touched.clear()
 
-    def detrace(self, rebound: list[tuple[Callable[[Any, Any], Any], Any, Any]]) -> None:
+    def detrace(self, rebound: list[list[Any]]) -> None:
         """After `restore`: the values the function bound in the user's places while
         traced (`Settle.rebound`: `batches = batches[1:]` on a global, an attribute,
         a closure variable) hold the trace's values where the user's arrays were; the
-        user's arrays go back in them, as the uncompiled function would leave them."""
+        user's arrays go back in them, as the uncompiled function would leave them.
+        Each record `[put, key, value]` is updated, so an enclosing swap's `detrace`
+        (implicit mode's parameters sit on the closure's tracers) sees what is there."""
         if not self.originals:
             return
-        for put, key, value in rebound:
+        for record in rebound:
+            put, key, value = record
             new = _detrace(value, self.originals, set())
             if new is not value:
                 put(key, new)
+                record[2] = new
 
     def _log(self, fn: Callable[[], None]) -> None:
         if self.record:
@@ -260,6 +264,8 @@ class Swap:
             # Not writable in place (an immutable pytree): the parent rebinds a new one.
             return jax.tree_util.tree_unflatten(treedef, new)
         ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
+        if self.record:
+            self.originals.update(ours)
         self._log(lambda: _restore_tree(v, treedef, leaves, ours))
         return v
 
@@ -394,7 +400,7 @@ class Settle:
         # Places that held the trace's arrays and that the function bound to a new
         # value holding them (`batches = batches[1:]`): `(put, key, value)`, for
         # `Swap.detrace` once the trace is over.
-        self.rebound: list[tuple[Callable[[Any, Any], Any], Any, Any]] = []
+        self.rebound: list[list[Any]] = []
         self._ours: set[int] | None = None
 
     def _kept(self, value: Any, put: Callable[[Any, Any], Any], key: Any) -> bool:
@@ -415,7 +421,7 @@ class Settle:
             self._ours = {id(x) for x in self.put if x is not MISSING}
         if not all(id(x) in self._ours for x in tracers):
             return False
-        self.rebound.append((put, key, value))
+        self.rebound.append([put, key, value])
         self.cacheable = False
         return True
 
@@ -473,7 +479,7 @@ class Settle:
             self.cacheable = False  # traced again each call; the places stay where they were
             return node
         if has_places(node) and _holds_tracer(value):
-            self.rebound.append((put, key, value))
+            self.rebound.append([put, key, value])
         return self.node(node, value)
 
     def _added(self, value: Any, remove: Callable[[], Any], where: str) -> Node:
@@ -549,6 +555,12 @@ class Settle:
                     del v[n:]
                     self.rebound = [r for r in self.rebound if r[0] != v.__setitem__]
                     self.cacheable = False
+                else:
+                    # The user's own arrays appended (a history of the weights): the
+                    # items before them are the places they were (written back as such);
+                    # this trace is not reused (`_kept`).
+                    node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=False)]
+                    return node
             if isinstance(v, list) and len(v) < n:
                 self._took(v)
             if type(v) is not node.type or len(v) != len(node.items):
