@@ -186,11 +186,18 @@ def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
     _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared)
 
 
+def _first(f: Any, kind: str) -> bool:
+    """Whether this is the first warning of `kind` for `f`'s code: each is said once."""
+    key = (getattr(f, "__code__", None) or type(f), kind)
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    return True
+
+
 def _warn_hidden(entry: Entry, f: Any) -> None:
-    code = getattr(f, "__code__", None) or type(f)
-    if code in _WARNED:
+    if not _first(f, "hidden"):
         return
-    _WARNED.add(code)
     what = ", ".join(entry.hidden[:5])
     holder = next((x for x in entry.a_statics or () if _holds_arrays(x)), None)
     if holder is not None:
@@ -222,10 +229,8 @@ def _warn_lost(entry: Entry, f: Any) -> None:
     (a loss log it appends to, `self.last = loss`, a cache filled on first use). They
     cannot stay there as tracers, so they were taken out again and the function is traced
     on every call: a log that stays empty and a slow step, said once, with the fixes."""
-    code = getattr(f, "__code__", None) or type(f)
-    if (code, "lost") in _WARNED:
+    if not _first(f, "lost"):
         return
-    _WARNED.add((code, "lost"))
     instead = (
         "Return them from the function instead (`loss = step(x); losses.append(loss)`)"
         if entry.api == "tg.jit"
@@ -248,10 +253,8 @@ def _warn_drew(entry: Entry, f: Any) -> None:
     """The function drew from a Python random state, or took an item from a library
     iterator, while traced (`_draws`): compiled, that draw would repeat on every call
     (the same noise, the same dropout mask, the same batch)."""
-    code = getattr(f, "__code__", None) or type(f)
-    if (code, "drew") in _WARNED:
+    if not _first(f, "drew"):
         return
-    _WARNED.add((code, "drew"))
     randoms = [label for label, random in entry.drew if random]
     items = [label for label, random in entry.drew if not random]
     what = [f"draws from {' and '.join(randoms)}"] if randoms else []

@@ -169,6 +169,12 @@ def rebind(root: Any, changed: dict[int, Any], flat: tuple[list[Any], Any] | Non
         )
 
 
+def rebind_value(value: Any, changed: dict[int, Any]) -> Any:
+    """`value` with every leaf whose id is in `changed` replaced by its new value: as
+    `rebind`, in place where `value` allows it, or a new tuple where it is one."""
+    return _rebind_node(value, changed, set())
+
+
 def _rebind_node(node: Any, changed: dict[int, Any], found: set[int]) -> Any:
     new = changed.get(id(node))
     if new is not None:

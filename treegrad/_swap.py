@@ -47,7 +47,7 @@ from ._guard import (
     is_array,
 )
 from ._jaxpr import is_tracer
-from ._paths import rebind
+from ._paths import rebind, rebind_value
 
 
 class CannotSwap(TypeError):
@@ -109,7 +109,7 @@ class Swap:
             return
         for record in rebound:
             put, key, value = record
-            new = _detrace(value, self.originals, set())
+            new = rebind_value(value, self.originals)
             if new is not value:
                 put(key, new)
                 record[2] = new
@@ -268,42 +268,6 @@ class Swap:
             self.originals.update(ours)
         self._log(lambda: _restore_tree(v, treedef, leaves, ours))
         return v
-
-
-def _detrace(v: Any, originals: dict[int, Any], seen: set[int]) -> Any:
-    """`v` with each value of `originals` (by id) in it replaced by the original: lists
-    and dicts in place, tuples and immutable pytrees rebuilt, other pytrees rebound."""
-    got = originals.get(id(v), MISSING)
-    if got is not MISSING:
-        return got
-    if id(v) in seen:
-        return v
-    seen.add(id(v))
-    t = type(v)
-    if t is list or t is dict:
-        keys = range(len(v)) if t is list else list(v)
-        for k in keys:
-            x = v[k]
-            y = _detrace(x, originals, seen)
-            if y is not x:
-                v[k] = y
-        return v
-    if isinstance(v, tuple):
-        items = [_detrace(x, originals, seen) for x in v]
-        if all(a is b for a, b in zip(items, v, strict=True)):
-            return v
-        return t._make(items) if hasattr(v, "_fields") else t(items)
-    if t in (int, float, str, bytes, bool, type(None)) or is_tracer(v):
-        return v
-    leaves, treedef = jax.tree_util.tree_flatten(v, is_leaf=_is_iterator)
-    back = {id(x): originals[id(x)] for x in leaves if id(x) in originals}
-    if not back:
-        return v
-    try:
-        rebind(v, back)
-    except TypeError:  # immutable: a new one
-        return jax.tree_util.tree_unflatten(treedef, [back.get(id(x), x) for x in leaves])
-    return v
 
 
 def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
