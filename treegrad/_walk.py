@@ -111,6 +111,7 @@ class Walk:
         # Random states and library iterators met (a np.random.Generator, `rng.normal`,
         # an iterator of batches): a trace that draws from one is not reused (`_draws`).
         self.consumed: list[Any] = []
+        self.numpy_seen = False  # a module of numpy reached: `np.random.rand` may be read
 
     def root(self, value: Any) -> Node:
         """The function being compiled: walked even when a library defined it (a closure
@@ -191,9 +192,11 @@ class Walk:
                 # Looked up by identity (`weights[layer]`): another object of the same
                 # contents in its place reads another entry.
                 found.ident = Same(k)
-        if self.dynamic or "random" in self.attr_names:
-            # `np.random.rand`, `random.random`: the module-level states (`_draws`).
-            self.consumed += global_states()
+        if self.dynamic or ("random" in self.attr_names and self.numpy_seen):
+            # `np.random.rand`: numpy's module-level state (`_draws`); not for code
+            # that reaches only `jax.random`, so that a thread of the user's drawing
+            # from numpy meanwhile is not taken for this function's draw.
+            self.consumed += global_states(None if self.dynamic else np.random)
         self._absences(nodes)
         self._module_absences(nodes)
         absolute = list(nodes.values())
@@ -341,6 +344,7 @@ class Walk:
             return ps
         if t is types.ModuleType:
             self.consumed += global_states(value)  # `random`, `numpy.random` (`_draws`)
+            self.numpy_seen = self.numpy_seen or value.__name__.split(".")[0] == "numpy"
             # A library module too: its data attributes the code reads (os.environ,
             # a constant a user reassigned, sys.modules: `_modules`) are checked; its
             # functions, classes and submodules are not (`finish`).
