@@ -378,6 +378,7 @@ def _reference_run(steps):
     return model, losses
 
 
+@pytest.mark.slow  # about 8 s: four traces and an uncompiled reference; message: test_docs
 def test_a_loss_log_appended_to_inside_a_compiled_step_is_said_not_silently_empty():
     # docs/pitfalls.md: uncompiled, `losses` would hold one loss a call; a traced value
     # cannot stay in it, so it is taken out again and the step traced on every call.
