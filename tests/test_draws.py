@@ -462,6 +462,14 @@ CONSUMERS = {
     "del list[0]": (list, lambda c: (c[0], c.__delitem__(0))[0]),
     "dict.popitem": (lambda xs: dict(enumerate(xs)), lambda c: c.popitem()[1]),
     "dict.pop": (lambda xs: dict(enumerate(xs)), lambda c: c.pop(min(c))),
+    "OrderedDict.popitem": (
+        lambda xs: collections.OrderedDict(enumerate(xs)),
+        lambda c: c.popitem(last=False)[1],
+    ),
+    "defaultdict.pop": (
+        lambda xs: collections.defaultdict(float, enumerate(xs)),
+        lambda c: c.pop(min(c)),
+    ),
     "deque.popleft": (collections.deque, lambda c: c.popleft()),
     "queue.Queue.get": (lambda xs: _queue(xs), lambda c: c.get_nowait()),
 }

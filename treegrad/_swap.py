@@ -645,7 +645,12 @@ class Settle:
             leaves, treedef = jax.tree_util.tree_flatten(v)
             if treedef != node.treedef:
                 paths = _key_paths(treedef)
-                if paths is None or paths != _key_paths(node.treedef):
+                old_paths = _key_paths(node.treedef)
+                if paths is None or paths != old_paths:
+                    if paths is not None and old_paths is not None and set(old_paths) - set(paths):
+                        # Entries taken out (an OrderedDict's `popitem`, a defaultdict's
+                        # `pop`: pytrees of jax's): the next call reads what is left.
+                        self._took(v)
                     return self._demote(node, v)
             # The same places (perhaps a static attribute the function changed, a
             # counter): arrays it rebound are written back. The node keeps the old
