@@ -795,3 +795,27 @@ def test_a_parameter_stored_by_an_implicit_loss_is_the_users_array():
     assert len(snap) == 1 and snap[0] is model[0].weight
     ref = jax.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
     np.testing.assert_allclose(grads[model[0].weight], ref[0].weight, rtol=1e-6)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG (open): a captured float numpy array edited in place inside the function "
+    "(np.random.shuffle, buf[0] += 1) is a traced input, so jax raises 'JAX arrays are "
+    "immutable'; uncompiled, numpy edits it. Needs such an array read as a numpy value "
+    "(not an input) once the function writes into it, or an error naming the array",
+)
+def test_bug_captured_numpy_array_shuffled_in_place():
+    def run(grad):
+        np.random.seed(0)
+        order = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+
+        def loss(w):
+            np.random.shuffle(order)
+            return jnp.sum(w) * float(order[0])
+
+        return [float(grad(loss)[0]) for _ in range(3)]
+
+    ref = run(lambda loss: jax.grad(loss)(W))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tg.RetraceWarning)
+        assert run(lambda loss: tg.gradient(loss, W)[0]) == ref
