@@ -470,9 +470,19 @@ CONSUMERS = {
         lambda xs: collections.defaultdict(float, enumerate(xs)),
         lambda c: c.pop(min(c)),
     ),
+    "dict with __missing__": (lambda xs: _AutoDict(enumerate(xs)), lambda c: c.pop(min(c))),
     "deque.popleft": (collections.deque, lambda c: c.popleft()),
     "queue.Queue.get": (lambda xs: _queue(xs), lambda c: c.get_nowait()),
 }
+
+
+class _AutoDict(dict):
+    """Fills a missing key (its `__missing__`): putting the arrays back must not add the
+    key the function took out (it did, with its entry, before `_swap._at`)."""
+
+    def __missing__(self, key):
+        self[key] = 0.0
+        return 0.0
 
 
 def _queue(xs):

@@ -90,10 +90,7 @@ class Swap:
         # model.w`), else to what was there (an array it computed is written back
         # after the call, as an output).
         for container, key, old in self.touched:
-            try:
-                now = container[key]
-            except (KeyError, IndexError):
-                continue
+            now = _at(container, key)
             if is_tracer(now):
                 container[key] = self.originals.get(id(now), old)
         self.touched.clear()
@@ -276,16 +273,24 @@ def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
     and the container is left as it left it, its other arrays in their new places, as
     uncompiled; an entry it removed is not brought back. (A place it rebound: see
     `Swap.restore`.)"""
-    try:
-        if container[key] is new:
-            container[key] = old
-            return
-    except (KeyError, IndexError):
-        pass
+    if _at(container, key) is new:
+        container[key] = old
+        return
     keys = range(len(container)) if isinstance(container, list) else list(container)
     for k in keys:
-        if container[k] is new:
+        if _at(container, k) is new:
             container[k] = old
+
+
+def _at(container: Any, key: Any) -> Any:
+    """`container[key]`, or MISSING: a dict's entry as stored (a subclass's `__missing__`,
+    a defaultdict's default, must not add the key the function took out)."""
+    if isinstance(container, dict):
+        return dict.get(container, key, MISSING)
+    try:
+        return container[key]
+    except IndexError:
+        return MISSING
 
 
 def _untrace(d: dict[str, Any], kept: list[tuple[str, Any]]) -> None:
