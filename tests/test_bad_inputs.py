@@ -8,6 +8,7 @@ comes off when the owner fixes the message.
 
 import functools
 import operator
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +134,33 @@ def _plain_object_in_a_list_argument(c):
         objs[0].w = objs[0].w + x
 
     tg.jit(upd)([Holder()], jnp.ones(3))
+
+
+def _loss_log_inside_tg_jit(c):
+    losses = []
+
+    @tg.jit
+    def step(x):
+        loss = jnp.sum(x**2)
+        losses.append(loss)
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.RetraceWarning)
+        step(c.x)
+
+
+def _numpy_noise_inside_a_loss(c):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.RetraceWarning)
+        tg.gradient(lambda x: jnp.sum(x * np.random.normal(size=x.shape)), c.x)
+
+
+def _next_batch_inside_a_loss(c):
+    batches = iter([c.x, c.x * 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.RetraceWarning)
+        tg.gradient(lambda x: jnp.sum(x * next(batches)), c.x)
 
 
 def row(name, call, exc, words, marks=()):
@@ -718,6 +746,28 @@ ROWS = [
         TypeError,
         r"stores a traced array in attribute 'w' of an argument of type Holder.*capture the "
         r"object",
+    ),
+    row(
+        "loss-log-appended-inside-tg-jit",
+        _loss_log_inside_tg_jit,
+        tg.RetraceWarning,
+        r"tg\.jit: \S+ stores values computed from its traced arrays in your objects \(1 "
+        r"item\(s\) appended to a list\).*Return them from the function instead.*put an "
+        r"array there before the first call",
+    ),
+    row(
+        "numpy-noise-drawn-inside-a-loss",
+        _numpy_noise_inside_a_loss,
+        tg.RetraceWarning,
+        r"tg\.gradient: \S+ draws from numpy's global random state \(np\.random\.rand\.\.\.\) "
+        r"while traced.*traced again on every call.*draw with jax\.random from a key",
+    ),
+    row(
+        "next-batch-taken-inside-a-loss",
+        _next_batch_inside_a_loss,
+        tg.RetraceWarning,
+        r"tg\.gradient: \S+ takes items from a list_iterator it captures while traced.*take "
+        r"the items outside the function and pass them in",
     ),
     row(
         "datasets-batches-size-zero",

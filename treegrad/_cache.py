@@ -186,6 +186,10 @@ def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
     _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared)
 
 
+def _say(message: str) -> None:
+    warnings.warn(message, RetraceWarning, stacklevel=user_stacklevel())
+
+
 def _first(f: Any, kind: str) -> bool:
     """Whether this is the first warning of `kind` for `f`'s code: each is said once."""
     key = (getattr(f, "__code__", None) or type(f), kind)
@@ -204,23 +208,19 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
         # The arrays come in through an argument that is not a pytree: a leaf of its own,
         # so no gradient either (the classic silent None); say which and how to fix it.
         name = type(holder).__name__
-        warnings.warn(
+        _say(
             f"{entry.api}: an argument of {describe(f)} is a {name}, which is not a pytree: "
             f"it is one leaf, not differentiated (its gradient is None), and the arrays it "
             f"holds ({what}) are constants, so the function is re-traced on every call. Make "
             f"{name} a tg.Module, or register it as a pytree (jax.tree_util.register_dataclass "
-            "for a dataclass), to differentiate its arrays; or pass them in a dict.",
-            RetraceWarning,
-            stacklevel=user_stacklevel(),
+            "for a dataclass), to differentiate its arrays; or pass them in a dict."
         )
         return
-    warnings.warn(
+    _say(
         f"treegrad cannot cache {describe(f)}: it captures {len(entry.hidden)} array(s) "
         f"({what}) through objects it cannot see into, so it is re-traced on every call to "
         "stay correct. Pass these arrays as arguments, or hold them in a tg.Module, list, "
-        "dict, plain object or a closure variable.",
-        RetraceWarning,
-        stacklevel=user_stacklevel(),
+        "dict, plain object or a closure variable."
     )
 
 
@@ -237,15 +237,13 @@ def _warn_lost(entry: Entry, f: Any) -> None:
         else "Return them with the loss instead (`(loss, aux), grads = tg.withgradient("
         "lambda m: (loss_fn(m), aux_fn(m)), model)`)"
     )
-    warnings.warn(
+    _say(
         f"{entry.api}: {describe(f)} stores values computed from its traced arrays in your "
         f"objects ({', '.join(entry.lost[:5])}). A traced value cannot stay there after the "
         "call, so each was taken out again (a new entry removed, an old value put back) and "
         f"the function is traced again on every call. {instead}, or put an array there "
         "before the first call: an array the function replaces is written back after "
-        "every call.",
-        RetraceWarning,
-        stacklevel=user_stacklevel(),
+        "every call."
     )
 
 
@@ -272,12 +270,10 @@ def _warn_drew(entry: Entry, f: Any) -> None:
         )
     drawn = "that draw" if not items else "that item" if not randoms else "what it drew"
     fresh = "take the next item" if not randoms else "draw afresh"
-    warnings.warn(
+    _say(
         f"{entry.api}: {describe(f)} {' and '.join(what)} while traced. Compiled, {drawn} "
         "would be the same on every call, so the function is traced again on every call, "
-        f"to {fresh} as it would uncompiled. To compile it once, {'; '.join(fixes)}.",
-        RetraceWarning,
-        stacklevel=user_stacklevel(),
+        f"to {fresh} as it would uncompiled. To compile it once, {'; '.join(fixes)}."
     )
 
 

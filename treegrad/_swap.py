@@ -210,8 +210,8 @@ class Swap:
     def _set_item(self, container: Any, key: Any, new: Any) -> None:
         old = container[key]
         if new is not old:
-            self._log(functools.partial(_put_back, container, key, new, old))
-            if self.record:
+            if self.record:  # (not when writing back after a call: nothing to undo)
+                self.undo.append(functools.partial(_put_back, container, key, new, old))
                 self.touched.append((container, key, old))
             container[key] = new
 
