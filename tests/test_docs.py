@@ -118,6 +118,16 @@ def actual_messages(tmp_path):
     with pytest.warns(tg.RetraceWarning) as w:
         tg.gradient(loss, model)
     out.append(str(w[0].message).replace("actual_messages.<locals>.", ""))
+
+    counts = np.zeros(2)
+
+    def f(w):
+        counts[0] += 1
+        return jnp.sum(w) * counts[0]
+
+    with pytest.warns(tg.RetraceWarning) as w:
+        tg.gradient(f, jnp.ones(2))
+    out.append(str(w[0].message).replace("actual_messages.<locals>.", ""))
     return out
 
 

@@ -807,14 +807,10 @@ def test_a_parameter_stored_by_an_implicit_loss_is_the_users_array():
     np.testing.assert_allclose(grads[model[0].weight], ref[0].weight, rtol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (open): a captured float numpy array edited in place inside the function "
-    "(np.random.shuffle, buf[0] += 1) is a traced input, so jax raises 'JAX arrays are "
-    "immutable'; uncompiled, numpy edits it. Needs such an array read as a numpy value "
-    "(not an input) once the function writes into it, or an error naming the array",
-)
-def test_bug_captured_numpy_array_shuffled_in_place():
+def test_captured_numpy_array_shuffled_in_place():
+    """A jax tracer cannot be shuffled in place: the array is read as a value instead
+    (tests/test_numpy_values.py), and the draw the failed trace made is undone."""
+
     def run(grad):
         np.random.seed(0)
         order = np.array([1.0, 2.0, 3.0, 4.0, 5.0])

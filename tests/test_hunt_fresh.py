@@ -391,7 +391,7 @@ def test_unusual_scalars_captured_hit_the_cache(value):
 
 
 def test_integer_array_used_as_a_shape_is_a_clear_error():
-    n = np.array([3])
+    n = jnp.array([3])  # (a numpy one is read as a value: tests/test_numpy_values.py)
     with pytest.raises(TypeError, match=r"concrete Python value is needed.*captured arrays.*n"):
         tg.gradient(lambda v: jnp.sum(v * jnp.ones(int(n[0]))), w)
 

@@ -11,6 +11,7 @@ Bugs found are kept as strict xfails with a minimal reproduction in the reason.
 
 import argparse
 import collections
+import configparser
 import dataclasses
 import enum
 import functools
@@ -696,7 +697,17 @@ def test_closure_dict_of_layers_reordered_between_calls():
 
 
 @pytest.mark.parametrize(
-    "case", ["argparse", "make_dataclass", "userlist", "weakvaluedict", "queue", "userstring"]
+    "case",
+    [
+        "argparse",
+        "make_dataclass",
+        "userlist",
+        "weakvaluedict",
+        "queue",
+        "userstring",
+        "configparser",
+        "configparser-section",
+    ],
 )
 def test_values_read_through_stdlib_value_holders_are_fresh(case):
     # Once checked by identity only (a library's object): an edit in place was stale.
@@ -716,6 +727,15 @@ def test_values_read_through_stdlib_value_holders_are_fresh(case):
     elif case == "weakvaluedict":
         wv = weakref.WeakValueDictionary({"b": box})
         read, edit = (lambda: wv["b"].s), (lambda: setattr(box, "s", 3.0))
+    elif case.startswith("configparser"):
+        ini = configparser.ConfigParser()  # a config read from a file
+        ini.read_dict({"train": {"lr": "2.0"}})
+        section = ini["train"]
+        if case == "configparser":
+            read = lambda: ini.getfloat("train", "lr")
+        else:
+            read = lambda: float(section["lr"])
+        edit = lambda: ini.set("train", "lr", "3.0")
     elif case == "userstring":
         us = collections.UserString("double")
         read, edit = (lambda: 2.0 if us == "double" else 3.0), (lambda: us.__init__("triple"))

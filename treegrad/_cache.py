@@ -11,6 +11,7 @@ and every memo.
 from __future__ import annotations
 
 import collections
+import functools
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,7 +22,8 @@ import jax
 from . import _guard as G
 from . import _optguard
 from ._call import _GROUPS, Call, root_keys, uniq_in_groups
-from ._engine import Entry, Refit
+from ._draws import Draws
+from ._engine import NUMPY_VALUES, Entry, Refit, values_mode
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
@@ -65,7 +67,7 @@ _Slots = tuple[int, ...] | None
 _RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots, Any]] = {}
 _SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
-MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES]
+MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES, NUMPY_VALUES]
 
 
 def execute(
@@ -112,12 +114,9 @@ def execute(
         if hit is not None:
             _remember(recent_key, call, bucket)
             return hit
-    entry = make(call) if make is not None else Entry(program, api, options, call, params=params)
-    cl = entry.guard.check(*roots)
-    if cl is None:  # pragma: no cover - a guard must accept the values it was built from
-        raise AssertionError("treegrad: a new guard rejected its own function")
-    dyn = entry.bind(cl, call.a_uniq, params)
-    out = entry.first_run(roots, dyn, params)
+    if make is None:
+        make = functools.partial(Entry, program, api, options, params=params)
+    entry, out = _new(make, call, params)
     if entry.cacheable:
         _remember(recent_key, call, _store(call.key, entry))
     else:
@@ -128,7 +127,46 @@ def execute(
             _warn_lost(entry, roots[0])
         if entry.drew:
             _warn_drew(entry, roots[0])
+        if entry.wrote:
+            _warn_wrote(entry, roots[0])
+    if entry.valued and not entry.wrote and NUMPY_VALUES.get(root_keys(roots), 0) >= _VALUED_TRACES:
+        _warn_valued(entry, roots[0])
     return entry, out
+
+
+def _new(
+    make: Callable[[Call], Entry], call: Call, params: Sequence[Any] | None
+) -> tuple[Entry, Any]:
+    """Walk, trace and run a new entry. A trace that fails while captured numpy arrays
+    are inputs is tried once more with them read as values (`_engine.NUMPY_VALUES`):
+    numpy code that changes one in place (`order[0] = 1.0`, `np.random.shuffle(order)`,
+    `np.add(buf, 1, out=buf)`) or needs its value (`float(scale[0])`) fails on the jax
+    tracer that stands in for it, and runs on the array itself, as uncompiled."""
+    entry = make(call)
+    draws = Draws(entry.consumed) if entry.numpy_places else None
+    try:
+        return entry, _first_run(entry, call, params)
+    except Exception as e:
+        key = root_keys(call.roots)
+        if draws is None or key in NUMPY_VALUES:
+            raise
+        error = e
+    draws.restore()  # uncompiled, the function draws once: the failed trace's are undone
+    values_mode(key)
+    try:
+        entry = make(call)
+        return entry, _first_run(entry, call, params)
+    except Exception:  # any error: the function fails otherwise too; the first is the one
+        NUMPY_VALUES.pop(key, None)
+    raise error
+
+
+def _first_run(entry: Entry, call: Call, params: Sequence[Any] | None) -> Any:
+    cl = entry.guard.check(*call.roots)
+    if cl is None:  # pragma: no cover - a guard must accept the values it was built from
+        raise AssertionError("treegrad: a new guard rejected its own function")
+    dyn = entry.bind(cl, call.a_uniq, params)
+    return entry.first_run(call.roots, dyn, params)
 
 
 def _lookup(
@@ -274,6 +312,41 @@ def _warn_drew(entry: Entry, f: Any) -> None:
         f"{entry.api}: {describe(f)} {' and '.join(what)} while traced. Compiled, {drawn} "
         "would be the same on every call, so the function is traced again on every call, "
         f"to {fresh} as it would uncompiled. To compile it once, {'; '.join(fixes)}."
+    )
+
+
+# A function reading its numpy arrays as values, traced this many times: they change.
+_VALUED_TRACES = 4
+
+
+def _warn_valued(entry: Entry, f: Any) -> None:
+    """Numpy arrays read as values (`_engine.NUMPY_VALUES`) that keep changing: each
+    change costs a trace. A batch the function captures as a numpy array, in a
+    function that also needs a numpy mask, would be traced on every step."""
+    if not _first(f, "valued"):
+        return
+    _say(
+        f"{entry.api}: {describe(f)} needs the numpy arrays it captures as numpy values "
+        f"({', '.join(entry.valued[:5])}), so they are compared on each call, and they "
+        f"changed: it was traced {_VALUED_TRACES} times. Each change costs a trace. Pass "
+        "an array that changes each step as a jax array (jnp.asarray(x)) or as an "
+        "argument, and keep numpy for what stays fixed (a mask)."
+    )
+
+
+def _warn_wrote(entry: Entry, f: Any) -> None:
+    """The function changed a numpy array it captures in place while traced (`buf[0] =
+    1.0`, `order.sort()`): such arrays are read as values, so it is traced again on
+    every call that finds one changed; said once, with how to compile it once."""
+    if not _first(f, "wrote"):
+        return
+    _say(
+        f"{entry.api}: {describe(f)} changes a numpy array it captures in place while "
+        f"traced (one of: {', '.join(entry.valued[:5])}). A jax tracer cannot stand in for "
+        "it, so treegrad reads such arrays as values and the function is traced again on "
+        "every call that finds one changed, as it would run uncompiled. To compile it once, "
+        "keep that state in a jax array that the function returns, or change the array "
+        "outside the function."
     )
 
 

@@ -32,15 +32,18 @@ class _CodeInfo:
     `dynamic`: it may read an attribute by a name computed at run time
     (`getattr(o, name)`, `vars(o)`, `o.__dict__`, `dataclasses.asdict`...), so
     every instance attribute of the objects it reaches counts as read.
+    `in_place`: it calls one of numpy's in-place methods and drops the result
+    (`order.sort()`, `np.random.shuffle(order)`, `buf.fill(0)`): on a captured numpy
+    array, which a jax tracer cannot stand in for (`_walk.Walk.as_values`).
     """
 
-    __slots__ = ("attrs", "dynamic", "globals", "reads")
+    __slots__ = ("attrs", "dynamic", "globals", "in_place", "reads")
 
     def __init__(self, code: types.CodeType):
         names: dict[str, None] = {}
         attrs: set[str] = set()
         reads: set[str] = set()
-        dynamic = False
+        dynamic = in_place = False
         stack = [code]
         while stack:
             c = stack.pop()
@@ -58,6 +61,8 @@ class _CodeInfo:
                     if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
                         dynamic = True
                     dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
+                    if op.argval in _IN_PLACE and not in_place:
+                        in_place = _dropped_call(ins, i + 1)
                 elif name == "STORE_ATTR":
                     attrs.add(op.argval)
                     if c.co_name not in _CONSTRUCTORS:
@@ -74,6 +79,7 @@ class _CodeInfo:
         self.attrs = frozenset(attrs)
         self.reads = frozenset(reads)
         self.dynamic = dynamic
+        self.in_place = in_place
 
 
 _FORMAT_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)(?=[^{}]*\})")
@@ -100,6 +106,46 @@ _READS_EVERY_ATTRIBUTE = frozenset(
 # An attribute only a constructor stores, and no code reads, is bookkeeping of the
 # user's (a step counter set in __init__ and incremented by the training loop).
 _CONSTRUCTORS = frozenset({"__init__", "__new__", "__post_init__", "__setstate__"})
+
+
+# numpy's methods and functions that change an array in place and return None. A
+# jax array has none of them but `sort`, which returns a sorted copy: dropped, the
+# array stays unsorted, silently.
+_IN_PLACE = frozenset(
+    {
+        "sort",
+        "partition",
+        "fill",
+        "resize",
+        "put",
+        "itemset",
+        "setflags",
+        "shuffle",
+        "copyto",
+        "place",
+        "putmask",
+        "fill_diagonal",
+    }
+)
+
+
+def _dropped_call(ins: list[dis.Instruction], i: int) -> bool:
+    """Whether the method loaded before instruction `i` is called with simple
+    arguments (names, constants, their attributes) and its result dropped: a
+    statement `x.sort()`, `np.random.shuffle(order)`, `buf.fill(0.0)`."""
+    end = min(len(ins), i + 12)
+    while i < end and (
+        ins[i].opname in _VALUE_LOADS
+        or ins[i].opname in _CONTINUES
+        or ins[i].opname in ("LOAD_CONST", "CACHE", "PRECALL", "KW_NAMES")
+    ):
+        i += 1
+    if i >= end or ins[i].opname not in ("CALL", "CALL_KW"):
+        return False
+    i += 1
+    while i < len(ins) and ins[i].opname == "CACHE":
+        i += 1
+    return i < len(ins) and ins[i].opname == "POP_TOP"
 
 
 def _constant_name(ins: list[dis.Instruction], i: int, fn: str) -> bool:

@@ -172,3 +172,17 @@ class Draws:
             for o, s in self.before
             if not _equal(_state(o), s)
         ]
+
+    def restore(self) -> None:
+        """Put back the random states as they were taken (a trace that failed, to be
+        tried again, must not have drawn: uncompiled, the function draws once).
+        An iterator's position cannot be put back in general: left as it is."""
+        for o, s in self.before:
+            if isinstance(o, random.Random):
+                o.setstate(s)
+            elif isinstance(o, np.random.RandomState):
+                o.set_state(s)
+            elif isinstance(o, np.random.Generator):
+                o.bit_generator.state = s
+            elif isinstance(o, np.random.BitGenerator):
+                o.state = s

@@ -42,7 +42,7 @@ import jax
 
 from . import _guard as G
 from . import _jaxpr
-from ._call import Call, dtypes, links
+from ._call import Call, dtypes, links, root_keys
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
 from ._layout import placements, several_devices
@@ -89,7 +89,12 @@ class Entry:
         # tg.jit: values of static arguments (by position or name), output shardings.
         self.statics = statics or {}
         self.out_shardings = out_shardings
-        walk, self.nodes, self.absolute = _walk(call)
+        walk, self.nodes, self.absolute = _walk(call, params)
+        # Captured numpy arrays that are inputs (a trace that fails on one is tried again
+        # with them read as values: `_cache.execute`), and those read as values.
+        self.numpy_places = walk.numpy_places
+        self.valued = walk.valued
+        self.wrote = False  # a trace changed one of those in place (`_swap.Settle`)
         self.names = walk.names
         self.n_places = walk.places
         self.guard = Guard(self.nodes, self.absolute)
@@ -575,20 +580,45 @@ class Entry:
         return tuple(groups)
 
 
-def _walk(call: Call) -> tuple[Walk, list[Any], list[Any]]:
+# The functions (by `root_keys`) whose captured numpy arrays are read as values: they
+# sort or fill one in place, or a trace with them as inputs failed (`_cache.execute`).
+# A jax tracer cannot stand in for a numpy array such a function changes in place.
+# Each with the number of walks since, for `_cache._warn_valued`.
+NUMPY_VALUES: dict[Any, int] = {}
+_BOUND = 4096  # functions remembered (forgotten: the next trace fails once more)
+
+
+def _walk(call: Call, params: Sequence[Any] | None = None) -> tuple[Walk, list[Any], list[Any]]:
     """A new entry's first step: walk what the call reads (its function, the classes of
     its arguments' structure, their static values and callables), numbering the array
     places. Returns the walk and the guard's root and absolute nodes."""
-    walk = Walk()
-    roots = [walk.root(r) for r in call.roots]
-    for cls in node_types(call.a_def):
-        if not G._is_library(cls):
-            walk._absolute(cls)
-    for s in call.a_statics or ():
-        walk.fixed(s)
-    for fn in static_callables(call.a_def):
-        walk.fixed(fn)
-    return walk, roots, walk.finish(roots)
+    key = root_keys(call.roots)
+    keep = frozenset(map(id, params or ()))
+    while True:
+        as_values = key in NUMPY_VALUES
+        if as_values:
+            NUMPY_VALUES[key] += 1
+        walk = Walk(as_values=as_values, keep=keep)
+        roots = [walk.root(r) for r in call.roots]
+        for cls in node_types(call.a_def):
+            if not G._is_library(cls):
+                walk._absolute(cls)
+        for s in call.a_statics or ():
+            walk.fixed(s)
+        for fn in static_callables(call.a_def):
+            walk.fixed(fn)
+        absolute = walk.finish(roots)
+        if not (walk.in_place and walk.numpy_places):
+            return walk, roots, absolute
+        # `order.sort()` on a tracer would sort a copy and drop it, silently.
+        values_mode(key)
+
+
+def values_mode(key: Any) -> None:
+    """Read the captured numpy arrays of the function filed under `key` as values."""
+    if len(NUMPY_VALUES) >= _BOUND:
+        NUMPY_VALUES.clear()
+    NUMPY_VALUES[key] = 0
 
 
 def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:

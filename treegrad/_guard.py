@@ -170,6 +170,10 @@ _VALUE_HOLDERS = frozenset(
         "queue.Queue",
         "queue.LifoQueue",
         "queue.PriorityQueue",
+        # A config read from a file: its sections are the user's values.
+        "configparser.ConfigParser",
+        "configparser.RawConfigParser",
+        "configparser.SectionProxy",
     }
 )
 
@@ -294,18 +298,27 @@ class Same(Node):
 
 class Snap(Node):
     """A mutable value the walk cannot see into but can compare (a set, a deque, a
-    bytearray, a numpy array of strings, a Mapping that is not a dict: `os.environ`,
-    a `ChainMap`): a copy, checked by equality; `as_dict`: compared as `dict(v)`,
-    its keys in order (a function may iterate it, as a dict); `by_identity`: a deque
-    of other values, compared item by item by identity."""
+    bytearray, a numpy array of strings or one read as a value (`Walk.as_values`), a
+    Mapping that is not a dict: `os.environ`, a `ChainMap`): a copy, checked by
+    equality; `as_dict`: compared as `dict(v)`, its keys in order (a function may
+    iterate it, as a dict); `by_identity`: a deque of other values, compared item by
+    item by identity."""
 
-    __slots__ = ("as_dict", "by_identity", "type", "value")
+    __slots__ = ("as_dict", "by_identity", "copied", "type", "value")
 
-    def __init__(self, typ: type, value: Any, as_dict: bool = False, by_identity: bool = False):
+    def __init__(
+        self,
+        typ: type,
+        value: Any,
+        as_dict: bool = False,
+        by_identity: bool = False,
+        copied: bool = False,
+    ):
         self.type: Any = typ
         self.value = value
         self.as_dict = as_dict
         self.by_identity = by_identity
+        self.copied = copied  # a numpy array read as a value: traced on a copy (`Swap`)
 
     def equal(self, v: Any) -> bool:
         if type(v) is not self.type:
@@ -314,11 +327,18 @@ class Snap(Node):
             old = self.value
             return len(v) == len(old) and all(a is b for a, b in zip(v, old, strict=True))
         if isinstance(v, np.ndarray):
-            return v.shape == self.value.shape and bool(np.array_equal(v, self.value))
+            return _same_array(v, self.value)
         if self.as_dict:
             d = dict(v)
             return bool(d == self.value) and list(d) == list(self.value)
         return bool(v == self.value)
+
+
+def _same_array(v: np.ndarray, old: np.ndarray) -> bool:
+    if v.shape != old.shape or v.dtype != old.dtype:
+        return False
+    # A NaN in a captured numpy array is the same value on the next call.
+    return bool(np.array_equal(v, old, equal_nan=old.dtype.kind in "fc"))
 
 
 class Unchecked(Node):

@@ -139,6 +139,7 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 entry.cacheable = False
             entry.lost += [w for w in settle.lost if w not in entry.lost]
             entry.drew += [(t, False) for t in settle.took if (t, False) not in entry.drew]
+            entry.wrote = entry.wrote or settle.wrote
             entry.demoted = entry.demoted or settle.demoted
             return out, written
         finally:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._guard import (
     MISSING,
@@ -81,10 +82,15 @@ class Swap:
         # tracers and the user's arrays): `detrace` puts the user's back.
         self.originals: dict[int, Any] = {}
         self.touched: list[tuple[Any, Any, Any]] = []  # (container, key, old) written
+        # The numpy arrays read as values, by id, each with the copy the trace gets.
+        self.copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def restore(self) -> None:
         while self.undo:
             self.undo.pop()()
+        for user, copy in self.copies.values():
+            _copy_back(user, copy)
+        self.copies.clear()
         # A place the function rebound to a traced value is cleared too: to the user's
         # array that traced value stands for, if it is one of ours (`self.best =
         # model.w`), else to what was there (an array it computed is written back
@@ -126,6 +132,18 @@ class Swap:
             if self.record and new is not v:
                 self.originals[id(new)] = v
             return new
+        if isinstance(node, Snap):
+            if not (node.copied and self.record):
+                return v
+            # A numpy array read as a value (`Walk.as_values`): the trace gets a copy of
+            # its own, and what the function writes into it goes back into the user's
+            # array afterwards (`restore`). jax keys some of its caches on a constant's
+            # identity: the user's array itself, changed in place since an earlier trace,
+            # could be taken for the one that trace saw, and its old contents reused.
+            pair = self.copies.get(id(v))
+            if pair is None:
+                pair = self.copies[id(v)] = (v, v.copy())
+            return pair[1]
         if isinstance(node, Seq):
             if isinstance(v, list):
                 for i, child in enumerate(node.items):
@@ -267,6 +285,15 @@ class Swap:
         return v
 
 
+def _copy_back(user: np.ndarray, copy: np.ndarray) -> None:
+    """What the function wrote into the copy of a numpy array, into the user's array."""
+    if copy.shape == user.shape and np.array_equal(copy, user, equal_nan=user.dtype.kind in "fc"):
+        return
+    if copy.shape != user.shape:  # `resize` on the copy
+        user.resize(copy.shape, refcheck=False)
+    np.copyto(user, copy)
+
+
 def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
     """Undo `container[key] = new`: `old` back wherever `new` is now. The function may
     have taken entries out while traced (`batches.pop(0)` shifts a list, `d.popitem()`),
@@ -366,6 +393,7 @@ class Settle:
         # Containers it took entries out of (`batches.pop()`): the next call reads what
         # is left, as uncompiled, so this trace is not reused (`_cache._warn_drew`).
         self.took: list[str] = []
+        self.wrote = False  # a numpy array read as a value, changed in place
         # Places that held the trace's arrays and that the function bound to a new
         # value holding them (`batches = batches[1:]`): `(put, key, value)`, for
         # `Swap.detrace` once the trace is over.
@@ -497,6 +525,13 @@ class Settle:
             return self._demote(node, v)
         if isinstance(node, Snap):
             if node.equal(v):
+                return node
+            if isinstance(node.value, np.ndarray) and type(v) is node.type:
+                # A numpy array read as a value (`Walk.as_values`) that the function
+                # changed in place (`order.sort()`): it reads the new contents on the
+                # next call, as uncompiled, so this trace is not reused.
+                self.wrote = True
+                self.cacheable = False
                 return node
             if type(v) is node.type and len(v) < len(node.value):
                 self._took(v)

@@ -50,6 +50,7 @@ from ._guard import (
     Partial,
     Same,
     Seq,
+    Snap,
     Tree,
     Unchecked,
     _arrays,
@@ -91,7 +92,16 @@ _SKIP_CLASS_ATTRS = frozenset(
 class Walk:
     """Builds the node tree of one or more roots; numbers the array places."""
 
-    def __init__(self) -> None:
+    def __init__(self, as_values: bool = False, keep: frozenset[int] = frozenset()) -> None:
+        # A captured numpy array is an input, traced, unless the function needs it to be
+        # numpy (`as_values`: it sorts or fills it in place, or the trace failed on it):
+        # then it is read as a value, compared by a copy on each call. `keep`: the ids
+        # of arrays that stay inputs regardless (implicit mode's parameters).
+        self.as_values = as_values
+        self.keep = keep
+        self.numpy_places = 0  # numpy arrays given a place (each could be read as a value)
+        self.valued: list[str] = []  # the paths of those read as values
+        self.in_place = False  # reached code calls numpy's in-place methods (`_codeinfo`)
         self.places = 0
         self.names: list[str] = []  # a readable path per place, for messages
         self.seen: dict[int, Node] = {}
@@ -248,6 +258,14 @@ class Walk:
             return Descr(type(value), attr, self.node(fn, path))
         return self.node(value, path)
 
+    def _array(self, value: Any, path: str) -> Node:
+        if isinstance(value, np.ndarray) and id(value) not in self.keep:
+            if self.as_values:
+                self.valued.append(path)
+                return Snap(type(value), value.copy(), copied=True)
+            self.numpy_places += 1
+        return self._place(path)
+
     def _place(self, path: str) -> Array:
         node = Array(self.places)
         self.places += 1
@@ -274,7 +292,7 @@ class Walk:
             return Const(value)
         kind = holder_kind(t)
         if kind is None and is_array(value):
-            return self._place(path)
+            return self._array(value, path)
         prior = self.seen.get(id(value))
         if prior is not None:
             return Alias(prior)
@@ -412,6 +430,7 @@ class Walk:
         self.attr_names.update(info.attrs)
         self.read_names.update(info.reads)
         self.dynamic = self.dynamic or info.dynamic
+        self.in_place = self.in_place or info.in_place
         node = self._memo(fn, Func(fn.__code__, id(fn.__globals__)))
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
@@ -441,7 +460,7 @@ class Walk:
             keys = [()] * len(leaves)
         node.keys = [tuple(k) for k in keys]
         node.leaves.extend(
-            self._place(path + jax.tree_util.keystr(k)) if is_array(x) else self._leaf(x)
+            self._array(x, path + jax.tree_util.keystr(k)) if is_array(x) else self._leaf(x)
             for k, x in zip(keys, leaves, strict=True)
         )
         for cls in node_types(treedef):
