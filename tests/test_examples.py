@@ -86,6 +86,7 @@ def test_implicit_vs_explicit():
 
 
 @pytest.mark.slow  # 8 s: two processes start jax; tests/test_scaling.py covers the same path
+@pytest.mark.devices
 def test_data_parallel_in_two_processes_equals_plain_optax():
     dp = load("data_parallel")
     report, losses = dp.main(steps=10, processes=2)

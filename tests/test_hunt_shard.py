@@ -36,6 +36,7 @@ from treegrad import nn
 from .hunt_shard_mesh import CHECKS, SLOW
 
 HERE = Path(__file__).parent
+pytestmark = pytest.mark.devices  # (`.ci/run` runs the slow ones on every jax)
 
 
 # --- the 8-device subprocess ---------------------------------------------------------------

@@ -937,6 +937,7 @@ print("MESH OK", n)
 
 
 @pytest.mark.slow
+@pytest.mark.devices
 @pytest.mark.parametrize("devices", [1, 4])
 def test_first_gradient_of_a_process_inside_an_eager_shard_map(devices):
     # Before the fix the cotangent 1 was made once per process inside that trace and

@@ -365,6 +365,7 @@ def _free_port():
 
 
 @pytest.mark.slow
+@pytest.mark.devices
 @pytest.mark.parametrize("n_proc", [1, 2])
 def test_sharded_save_and_load_onto_another_mesh(tmp_path, n_proc):
     """Each process writes its own shards; load reshards onto `like`'s shardings."""

@@ -27,6 +27,7 @@ from .scaling_mesh import reference
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+pytestmark = pytest.mark.devices  # (`.ci/run` runs the slow ones on every jax)
 
 
 @pytest.fixture

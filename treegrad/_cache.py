@@ -340,13 +340,13 @@ def _warn_wrote(entry: Entry, f: Any) -> None:
     every call that finds one changed; said once, with how to compile it once."""
     if not _first(f, "wrote"):
         return
+    which = f" (one of: {', '.join(entry.valued[:5])})" if entry.valued else ""
     _say(
         f"{entry.api}: {describe(f)} changes a numpy array it captures in place while "
-        f"traced (one of: {', '.join(entry.valued[:5])}). A jax tracer cannot stand in for "
-        "it, so treegrad reads such arrays as values and the function is traced again on "
-        "every call that finds one changed, as it would run uncompiled. To compile it once, "
-        "keep that state in a jax array that the function returns, or change the array "
-        "outside the function."
+        f"traced{which}. A jax tracer cannot stand in for it, so treegrad reads such arrays "
+        "as values and the function is traced again on every call that finds one changed, "
+        "as it would run uncompiled. To compile it once, keep that state in a jax array "
+        "that the function returns, or change the array outside the function."
     )
 
 
