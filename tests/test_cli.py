@@ -97,6 +97,7 @@ def test_help_shows_defaults_and_that_plot_takes_minutes(capsys):
     assert "(default: False)" not in out
 
 
+@pytest.mark.slow  # over ~2 s: the default run stays under 3 minutes
 def test_console_script_help():
     out = subprocess.run(
         [sys.executable, "-m", "treegrad._cli", "--help"],
@@ -107,6 +108,7 @@ def test_console_script_help():
     assert "demo" in out.stdout and "bench" in out.stdout
 
 
+@pytest.mark.slow  # over ~2 s: the default run stays under 3 minutes
 def test_missing_anchor_notes_name_the_extra(monkeypatch):
     for name in ("equinox", "flax", "torch"):
         monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError

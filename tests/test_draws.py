@@ -227,6 +227,7 @@ def test_a_generator_made_and_seeded_inside_the_function_is_deterministic():
     assert len(traces) == 1
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_noise_injected_with_numpy_trains_as_the_uncompiled_loop():
     # A PyTorch habit: input noise drawn with numpy inside the loss. Compiled once, every
     # step would see the first step's noise.
@@ -255,6 +256,7 @@ def test_noise_injected_with_numpy_trains_as_the_uncompiled_loop():
     np.testing.assert_allclose(got, ref, rtol=1e-6)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_a_draw_first_made_when_a_captured_array_changes_shape():
     # A captured array's new shape makes jax trace the cached program again, and that
     # trace takes a branch that draws: its program is not reused (it was, with the draw
@@ -418,6 +420,7 @@ def _noise(n):
     return np.random.normal(size=n)  # a helper of the user's: walked with the function
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_a_helper_that_draws_is_seen_and_another_threads_draws_are_not():
     # Only the states the function's code may reach are compared, so a data loader's
     # thread drawing from numpy's generator meanwhile does not make a function that
@@ -606,6 +609,7 @@ class _Stack(tg.Module):
         self.layers = [nn.Dense(2, 2, key=jax.random.key(i)) for i in range(4)]
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_layers_popped_or_swapped_in_a_captured_model_keep_their_own_weights():
     # The arrays put in the model for the trace were put back by position: after
     # `model.layers.pop(0)` every remaining layer got the weights of the one before it,
@@ -754,6 +758,7 @@ def test_captured_arrays_stored_by_the_function_stay_as_uncompiled(api):
     assert not any(isinstance(x, jax.core.Tracer) for x in (tracker.best, last))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_a_history_of_weights_kept_by_a_compiled_implicit_step():
     # The weights before each update, appended by the step: the user's arrays, as the
     # step run uncompiled leaves them (the second call raised a TypeError, "changed where
@@ -789,6 +794,7 @@ def test_a_history_of_weights_kept_by_a_compiled_implicit_step():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_a_parameter_stored_by_an_implicit_loss_is_the_users_array():
     # In implicit mode the parameters sit on two layers of the trace's values (the
     # closure's, and the differentiated ones on them): both are taken off.

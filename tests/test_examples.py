@@ -72,6 +72,7 @@ def test_dqn_main_short_prints_progress_and_the_whole_warning(capsys):
     assert "identical step for step" in out
 
 
+@pytest.mark.slow  # over ~2 s: the default run stays under 3 minutes
 def test_digits_train_checkpoint(tmp_path):
     losses = load("digits_train_checkpoint").main(epochs=2, verbose=False, folder=str(tmp_path))
     assert losses[-1] < losses[0]

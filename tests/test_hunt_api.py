@@ -202,6 +202,7 @@ def test_gradient_with_an_extra_key_names_that_key():
         tg.update(state, model, g)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_state_of_a_model_with_a_dotted_key_round_trips(tmp_path):
     model = {"a": {"b": jnp.ones(2)}, "a.b": jnp.full(2, 3.0)}
     tg.save(tmp_path / "m", model)  # the model itself saves: its paths differ
@@ -362,6 +363,7 @@ SCALARS = {
 }
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @settings(max_examples=5, deadline=None, derandomize=True)
 @given(
     c=st.sampled_from(sorted(SCALARS)),
@@ -432,6 +434,7 @@ def test_grads_mapping_protocol_and_named():
         grads["enc.w"]
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_to_tree_on_dicts_modules_eqx_and_ties_equals_explicit():
     class Net(tg.Module):
         def __init__(self, key):

@@ -57,6 +57,7 @@ def test_tree_leaf_switching_from_int_to_float():
     assert_trees_close(g, ref)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_same_shape_float_dtypes_in_turn_each_match_jax():
     # float32 -> bfloat16 -> float16 -> float32 at one place, same function.
     f = lambda a: jnp.sum(a.astype(jnp.float32) ** 3)
@@ -69,6 +70,7 @@ def test_same_shape_float_dtypes_in_turn_each_match_jax():
         )
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_python_number_leaf_changes_are_seen():
     f = lambda t: jnp.sum(t["w"] * t["k"])
     for k in (3, 5, 2.5, True):
@@ -77,6 +79,7 @@ def test_python_number_leaf_changes_are_seen():
         assert g["k"] is None
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_prng_key_leaf_is_an_input_not_a_constant():
     f = lambda t: jnp.sum(t["w"] * jax.random.normal(t["key"], (2,)))
     for s in (0, 1, 2):
@@ -96,6 +99,7 @@ def test_same_array_as_two_positional_arguments():
     np.testing.assert_allclose(gb, 2 * np.asarray(X3))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_same_array_in_two_arguments_and_tied_inside_one_in_every_transform():
     # Across arguments: one input per argument, as jax with several argnums. Inside
     # one argument: a tied weight, its total at the first place.
@@ -128,6 +132,7 @@ def test_argument_groups_follow_where_the_arrays_are_in_each_call():
     assert g2[1] is None
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_hessian_same_array_two_arguments_is_per_argument():
     f = lambda a, b: jnp.sum(a**3) + jnp.sum(b**2)
     got = tg.hessian(f, X3, X3)
@@ -135,6 +140,7 @@ def test_hessian_same_array_two_arguments_is_per_argument():
     assert_trees_close(got, ref, rtol=1e-5)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_hessian_several_arguments_are_the_diagonal_blocks():
     f = lambda a, b: jnp.sum(jnp.sin(a) * b[0]) + jnp.sum(b**3)
     b = jnp.array([0.3, 0.7])
@@ -143,6 +149,7 @@ def test_hessian_several_arguments_are_the_diagonal_blocks():
     assert_trees_close(got, ref, rtol=1e-5)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_jacobian_of_trees_and_several_arguments_against_jacrev():
     f = lambda t, s: jnp.tanh(t["a"] * s) + t["b"][0] ** 2
     t = {"a": X3, "b": [X3 + 1.0], "n": jnp.arange(3), "name": "x"}
@@ -160,6 +167,7 @@ def test_jacobian_of_trees_and_several_arguments_against_jacrev():
 # ---------------------------------------------------------------- complex parameters
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_jacobian_rows_of_complex_input_match_gradient_convention():
     z = jnp.array([1.0 + 2.0j, -0.5 + 0.3j])
     f = lambda z: jnp.abs(z) ** 2 + 3 * jnp.real(z)
@@ -170,6 +178,7 @@ def test_jacobian_rows_of_complex_input_match_gradient_convention():
     np.testing.assert_allclose(J, np.diag(2 * np.asarray(z) + 3), rtol=1e-6)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_complex_gradient_is_conj_of_jax_in_mixed_tree():
     z = jnp.array([1.0 + 2.0j, -0.5 + 0.3j])
     t = {"z": z, "r": X3, "n": 2}
@@ -183,6 +192,7 @@ def test_complex_gradient_is_conj_of_jax_in_mixed_tree():
     np.testing.assert_allclose(g["z"], 2 * 0.25 * np.asarray(z), rtol=1e-6)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize(
     "rule",
     [
@@ -208,6 +218,7 @@ def test_complex_model_trained_with_optax_descends(rule):
 # ---------------------------------------------------------------- numpy leaves: one rule
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize(
     "leaf",
     [
@@ -264,6 +275,7 @@ class Odd(tg.Module):
         return jnp.sum(h) + self.sub[0] ** 2 * self.count + jnp.sum(self.nt.w * self.nt.n)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_module_with_every_kind_of_leaf_against_jax_grad():
     m = Odd()
     x = jnp.array(0.3)
@@ -301,6 +313,7 @@ def test_models_without_float_leaves(tree):
     assert all(v is None for v in jax.tree_util.tree_leaves(g, is_leaf=lambda v: v is None))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_zero_d_arrays_in_every_transform():
     a = jnp.array(1.3)
     f = lambda a: jnp.sin(a) * a**2
@@ -313,6 +326,7 @@ def test_zero_d_arrays_in_every_transform():
     np.testing.assert_allclose(g, fd, rtol=1e-3)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_unused_leaves_are_none_in_every_transform():
     t = {"used": X3, "unused": X3 + 1.0}
     f = lambda t: jnp.sum(t["used"] ** 2)
@@ -369,6 +383,7 @@ def test_withgradient_tuple_with_python_aux_values():
 # ---------------------------------------------------------------- pullback cotangents
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_pullback_against_jax_vjp_for_several_cotangents():
     f = lambda a, t: {"y": jnp.sin(a) * t["s"], "z": jnp.sum(a) * t["s"]}
     t = {"s": jnp.array(0.7), "n": 3}

@@ -89,6 +89,7 @@ def test_closure_rebinding_a_captured_variable_with_nonlocal():
     _close(check(loss, model)["w"], 2 * W3 + 15.0)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_closures_created_in_a_loop_bind_late():
     xs = [jnp.ones(3), jnp.full(3, 2.0), jnp.full(3, 3.0)]
     fs = []
@@ -116,6 +117,7 @@ def test_implicit_lambda_reading_a_loop_variable():
         _close(g[W], jnp.cos(W) * xs[i])
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_default_arguments():
     def loss(m, c=jnp.ones(3), k=1.0, *, p=2.0):  # noqa: B008
         return jnp.sum(m["w"] * c) * k + jnp.sum(m["w"] ** 2) * p
@@ -131,6 +133,7 @@ def test_default_arguments():
 # -- recursion, generators, control flow -----------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_recursive_python_helper():
     cfg = {"depth": 2}
 
@@ -148,6 +151,7 @@ def test_recursive_python_helper():
     assert len(seen) == 3
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_generators_and_comprehensions_over_model_parts():
     model = {"a": W3, "b": 2 * W3, "c": jnp.array([0.5, 0.0, -1.0])}
     chosen = ["a", "b"]
@@ -172,6 +176,7 @@ def test_generators_and_comprehensions_over_model_parts():
         assert ge["a"] is None and ge["c"] is None
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_try_except_and_early_return():
     cfg = {"key": "a", "early": False}
 
@@ -198,6 +203,7 @@ def test_try_except_and_early_return():
     _close(check(loss, model)["b"], -2 * W3)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_python_control_flow_on_static_values():
     flags = {"square": True}
     extras = [jnp.array([1.0, 0.0, 0.0])]
@@ -226,6 +232,7 @@ def test_python_control_flow_on_static_values():
 # -- callables --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_functools_partial():
     def scaled(c, m, a=None):
         return jnp.sum(m["w"] ** 2) * c + jnp.sum(m["w"] * a)
@@ -241,6 +248,7 @@ def test_functools_partial():
     _close(tg.gradient(q, 2 * jnp.ones(3))[0], W3)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_bound_methods_classmethods_staticmethods():
     class Net:
         k = 2.0
@@ -270,6 +278,7 @@ def test_bound_methods_classmethods_staticmethods():
     _close(check(net.loss, model)["w"], jnp.full(3, 10.0))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_operator_module_functions():
     ops = {"f": operator.mul}
     model = {"a": W3, "b": 2 * W3}
@@ -286,6 +295,7 @@ def test_operator_module_functions():
     _close(check(lambda m: jnp.sum(pick(m) ** 2), model)["a"], 2 * W3)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_getattr_with_a_name_chosen_at_call_time():
     class Holder:
         pass
@@ -433,6 +443,7 @@ class Scaled(tg.Module):
         return jnp.sum(y) if self.mode == "sum" else jnp.sum(y**2)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_module_call_reads_a_class_attribute_changed_between_calls():
     m = Scaled()
     x = jnp.array([1.0, 2.0, 3.0])
@@ -451,6 +462,7 @@ def test_module_call_reads_a_class_attribute_changed_between_calls():
         Scaled.scale, Scaled.mode, Scaled.effective = old
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_getattr_and_getitem_user_class():
     class Bag:
         def __init__(self, d):
@@ -491,6 +503,7 @@ class _FrozenDC:
     c: float = 1.0
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_dataclasses_holding_arrays():
     d, fd = _DC(jnp.full(3, 2.0)), _FrozenDC(jnp.full(3, 3.0))
 
@@ -532,6 +545,7 @@ class _NT(NamedTuple):
     k: float = 1.0
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_namedtuple_model():
     def loss(n):
         return jnp.sum(n.w**2 * n.k + jnp.sin(n.b))
@@ -557,6 +571,7 @@ def _inner(w):
 _SECOND_ORDER = jax.grad(lambda w: jnp.sum(jax.grad(_inner)(w) ** 2))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_nested_gradients_in_every_combination():
     def explicit_in_explicit(m):
         return jnp.sum(tg.gradient(_inner, m["w"])[0] ** 2)
@@ -584,6 +599,7 @@ def test_nested_gradients_in_every_combination():
             _close(tg.gradient(outer, ps)[w], _SECOND_ORDER(w))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_nested_gradient_across_different_parameters_and_with_jax():
     a, b = jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0])
 
@@ -724,6 +740,7 @@ def _stores_a_new_global(w):
     return jnp.sum(w**3)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_traced_value_written_to_a_global():
     with _lost("global '_GLOBAL_LAST'"), _lost("global '_GLOBAL_NEW'"):
         for w in (W3, 2 * W3, 2 * W3):  # the second call raised UnexpectedTracerError
@@ -770,6 +787,7 @@ def test_traced_value_appended_to_a_captured_list():
 # -- arguments, shapes, ties ------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_keyword_only_arguments_and_kwargs():
     def loss(m, *, scale=2.0, **extra):
         return jnp.sum(m["w"] ** 2) * scale + sum(jnp.sum(v * m["w"]) for v in extra.values())
@@ -812,6 +830,7 @@ class _Lin(tg.Module):
         return self.w @ x
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_two_models_sharing_one_array_implicit_total():
     W = jnp.array([[1.0, 2.0], [3.0, 4.0]])
     x = jnp.array([1.0, -1.0])

@@ -52,6 +52,7 @@ def _leaves(t):
     return jax.tree_util.tree_leaves(t)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_module_of_every_dtype_round_trips_through_eval_shape_like(tmp_path):
     m = Everything(3)
     tg.save(tmp_path / "ck", m)
@@ -132,6 +133,7 @@ def test_optimiser_states_round_trip_and_training_continues_identically(tmp_path
         assert bits(a) == bits(b)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_complex_model_and_adam_state_round_trip(tmp_path):
     p = {"z": jnp.array([1 + 2j, -3j], jnp.complex64), "r": jnp.ones(2)}
     s = tg.setup(optax.adam(0.1), p)

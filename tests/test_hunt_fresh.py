@@ -135,6 +135,7 @@ def test_instance_attribute_deleted_falls_back_to_the_class_attribute():
     fresh_after(f, lambda: setattr(C, "scale", 7.0))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_classmethod_and_staticmethod_helpers_and_their_swaps():
     class H:
         k = 2.0
@@ -181,6 +182,7 @@ def test_module_in_sys_modules_even_one_named_like_the_stdlib(monkeypatch):
     fresh_after(f, lambda: setattr(clash, "s", -1.0))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_mutable_defaults_positional_and_keyword_only():
     def helper(v, s=[2.0], *, k=3.0):  # noqa: B006 -- the mutable default is the point
         return jnp.sum(v) * s[0] + jnp.sum(v**2) * k
@@ -191,6 +193,7 @@ def test_mutable_defaults_positional_and_keyword_only():
     fresh_after(f, lambda: setattr(helper, "__defaults__", ([0.5],)))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_ordered_dict_reordered_dict_keys_replaced_list_grown_and_shrunk():
     od = collections.OrderedDict([("a", 2.0), ("b", 3.0)])
     keys = {"a": 1.0}
@@ -217,6 +220,7 @@ def test_strings_and_bytes_choose_the_branch():
     fresh_after(f, lambda: mode.__setitem__("b", b"b"))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_try_except_path_and_recursion_depth_follow_the_values():
     conf = {"s": 2.0, "depth": 2}
 
@@ -263,6 +267,7 @@ def test_tuple_in_a_cell_rebound_and_partial_of_partial():
     fresh_after(f, lambda: box.__setitem__(0, 5.0))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_callable_object_state_and_call_swapped_on_its_class():
     class Scale:
         def __init__(self):
@@ -292,6 +297,7 @@ def test_bound_method_and_method_shadowed_on_the_instance():
     fresh_after(f, lambda: setattr(s, "m", lambda v: jnp.sum(v) * 9.0))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_math_and_jnp_shadowed_by_globals():
     ns = {"jnp": jnp, "math": __import__("math")}
     f = eval("lambda v: jnp.sum(v) * math.pi", ns)
@@ -396,6 +402,7 @@ def test_integer_array_used_as_a_shape_is_a_clear_error():
         tg.gradient(lambda v: jnp.sum(v * jnp.ones(int(n[0]))), w)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_implicit_mode_routes_stay_fresh():
     W = jnp.array([1.0, 2.0])
     ps = tg.Params([W])
@@ -462,6 +469,7 @@ class _Scaled(tg.Module):
         return jnp.sum(y) if self.cfg["mode"] == "sum" else jnp.sum(y**2)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_implicit_new_lambda_per_step_reuses_and_static_edits_are_fresh():
     m = _Scaled()
     ps = tg.params(m)
@@ -670,6 +678,7 @@ def _run_case(case):
         assert len(traces) == before, f"re-traced with nothing changed ({kinds})"
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(_case)
 def test_random_closures_and_mutation_sequences_are_never_stale(case):
@@ -858,6 +867,7 @@ def test_module_level_getattr():
     fresh_after(lambda v: jnp.sum(v) * mod.scale, lambda: store.__setitem__("scale", 5.0))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_dict_reordered_with_the_same_keys():
     d = {"a": 1.0, "b": 2.0}
     f = lambda v: jnp.sum(v) * next(iter(d.values()))
@@ -1022,6 +1032,7 @@ def test_schedule_inside_an_optax_transformation_reads_a_changed_dict():
     np.testing.assert_allclose(model["w"], [-0.2, -0.2, -0.2], rtol=1e-5)  # 1 - 0.1 - 0.1 - 1
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_schedule_inside_an_optax_transformation_given_as_an_argument_to_tg_jit():
     # The explicit form: the state is an argument, its rules static data of its structure.
     cfg = {"lr": 0.1}

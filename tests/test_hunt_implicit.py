@@ -193,6 +193,7 @@ class Box(tg.Module):
         self.w = w
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @settings(max_examples=12, deadline=None)
 @given(
     terms=st.lists(
@@ -270,6 +271,7 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 @settings(max_examples=12, deadline=None)
 @given(ops=OPS)
 def test_sequences_of_params_operations_match_a_model(ops):
@@ -338,6 +340,7 @@ ARITH = {
 }
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.complex64])
 @pytest.mark.parametrize("op", sorted(ARITH))
 def test_grads_arithmetic_none_is_zero_and_dtype_is_kept(op, dtype):
@@ -396,6 +399,7 @@ def test_grads_bad_operands_say_what_was_wrong(expr, exc, words):
         expr(g, other)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_gradient_accumulation_over_microbatches_equals_the_full_batch():
     model = nn.Dense(3, 2, key=jax.random.key(0))
     xs = jax.random.normal(jax.random.key(1), (12, 3))
@@ -533,6 +537,7 @@ def test_params_from_numpy_dict_converts_in_place_and_differentiates():
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_shared_submodule_to_tree_and_optimiser_match_an_untied_reference():
     layer = nn.Dense(2, 2, key=jax.random.key(0))
     model = [layer, layer]  # the same Module twice
@@ -590,6 +595,7 @@ def test_tied_array_in_trainable_and_frozen_attribute_is_updated_once():
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_weight_decay_reading_a_params_with_additions_inside_f():
     W = jnp.array([[1.0, -2.0], [0.5, 3.0]])
     b = jnp.array([0.1, -0.2])
@@ -738,6 +744,7 @@ def test_rebinding_a_captured_array_between_calls():
     assert w0 not in g
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_same_lambda_code_with_changing_captured_values_is_never_stale():
     w = jnp.array([1.0, -2.0])
     ps = tg.Params([w])
@@ -765,6 +772,7 @@ def test_mutating_a_holder_in_place_between_calls_follows_it():
         h.w = h.w - 0.5 * g[h.w] + step
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_implicit_complex_parameter_uses_the_steepest_ascent_convention():
     z = jnp.array([1.0 + 2.0j, -0.5 + 0.3j])
     r = jnp.array([0.2, 0.4])
@@ -778,6 +786,7 @@ def test_implicit_complex_parameter_uses_the_steepest_ascent_convention():
     close(g[r], gr)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_gradient_of_a_gradient_with_grads_arithmetic_inside():
     W = jnp.array([[1.0, -2.0], [0.5, 3.0]])
     b = jnp.array([0.1, -0.2])
@@ -800,6 +809,7 @@ def test_gradient_of_a_gradient_with_grads_arithmetic_inside():
     close(grads[b], r[1])
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_partial_objects_over_changing_arguments_are_never_stale():
     w = jnp.array([1.0, -2.0])
     ps = tg.Params([w])

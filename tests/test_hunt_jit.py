@@ -56,6 +56,7 @@ class Scaled(tg.Module):
         self.s = s  # static data
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 @pytest.mark.parametrize(("first", "then"), [(3, 3.0), (True, 1), (0.0, -0.0), (1, 1 + 0j)])
 def test_module_static_equal_by_eq_traces_again(first, then):
     f = lambda m: m.w / m.s if isinstance(m.s, float) else m.w * m.s + (m.s is True)
@@ -208,6 +209,7 @@ def test_nested_tg_jit_writes_back_once():
     np.testing.assert_array_equal(d["w"], [4.0, 4.0, 4.0])
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_nested_tg_jit_implicit_step_equals_the_uncompiled_step():
     def run(wrap):
         model = make()
@@ -260,6 +262,7 @@ def test_python_numbers_rebound_in_globals_and_cells():
 SCALE = {"v": 0.0}
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_module_static_attributes_edited_between_calls_argument_and_closure():
     class M(tg.Module):
         def __init__(self):
@@ -333,6 +336,7 @@ def test_function_arguments_new_lambda_reuses_changed_code_retraces():
     assert len(traces) == 4  # 1 + one per distinct float + the new code
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_loss_swapped_in_a_helper_dict_read_by_a_compiled_withgradient():
     helpers = {"loss": loss_fn}
     l1 = lambda m, x, y: jnp.mean(jnp.abs(m(x) - y))
@@ -481,6 +485,7 @@ def test_tg_jit_output_splits_a_shared_submodule():
     assert pair[0].a is pair[0].b is pair[1]["l"][0] is pair[1]["l"][1]
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_tg_jit_step_keeps_a_shared_submodule_one_object():
     class Shared(tg.Module):
         def __init__(self):
@@ -522,6 +527,7 @@ def test_tg_jit_step_keeps_a_shared_submodule_one_object():
     assert again.a is again.b
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_compiled_implicit_step_follows_a_replaced_layer():
     def run(compiled):
         model = make()
@@ -563,6 +569,7 @@ def test_compiled_implicit_step_after_a_list_append_fails_like_uncompiled():
     assert model["ws"][0] is before and len(model["ws"]) == 2  # nothing changed
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_static_argname_in_implicit_step_retraces_only_on_a_new_value():
     def build():
         model = make()
@@ -585,6 +592,7 @@ def test_static_argname_in_implicit_step_retraces_only_on_a_new_value():
     assert traces == [1.0, 0.0, 2.0]
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_adjust_and_freeze_between_compiled_implicit_steps():
     def run(compiled):
         model = make()
@@ -615,6 +623,7 @@ def test_adjust_and_freeze_between_compiled_implicit_steps():
 # --- tg.jit returning Modules, nested tg.jit --------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_tg_jit_returns_module_gradients_with_their_static_data():
     model = make()
     g = tg.jit(lambda m, x, y: tg.gradient(lambda m: loss_fn(m, x, y), m)[0])(model, X, Y)
@@ -623,6 +632,7 @@ def test_tg_jit_returns_module_gradients_with_their_static_data():
     assert_close_trees(g, ref, tol=1e-6)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_nested_pure_tg_jit_inside_tg_jit_and_tg_gradient():
     model = make()
     inner = tg.jit(lambda m, x: m(x))
@@ -639,6 +649,7 @@ def one_loss(m, x, y):
     return jnp.sum((m(x[None]) - y[None]) ** 2)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_per_example_gradients_implicit_under_vmap_and_tg_jit():
     model = make()
     ps = tg.params(model)
@@ -686,6 +697,7 @@ def test_second_order_implicit_under_tg_jit_equals_jax_grad_of_grad():
     )
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_sgd_loop_in_lax_scan_inside_tg_jit_equals_pure_jax():
     def body(m, xy):
         loss, (g,) = tg.withgradient(lambda m: one_loss(m, *xy), m)

@@ -102,6 +102,7 @@ class Lin(tg.Module):
         return out if self.b is None else out + jnp.sum(self.b**2)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_reassignment_array_none_array_static_array_static_gradients_and_jit():
     x = jnp.array([3.0, -1.0])
     m = Lin()
@@ -343,6 +344,7 @@ class EqAll(tg.Module):
         return 0
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_modules_equal_by_value_stay_distinct_in_gradients_and_optimiser():
     class Pair(tg.Module):
         def __init__(self):
@@ -443,6 +445,7 @@ def wb_reference(w, b, rule):
     return g, optax.apply_updates(d, u)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("kind", ["namedtuple", "keyed"])
 def test_namedtuple_and_custom_pytree_models_both_styles_against_optax(kind):
     m = NT(jnp.ones(2), jnp.zeros(2)) if kind == "namedtuple" else Keyed(jnp.ones(2), jnp.zeros(2))

@@ -118,6 +118,7 @@ _DEFAULT = {("multisteps_adam", "pure"), ("lion_clip_global_norm", "in_place")}
 CASES = [c if c in _DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize(("name", "style"), CASES)
 def test_more_rules_with_varying_none_patterns_equal_plain_optax(name, style):
     rule = RULES[name]()
@@ -139,6 +140,7 @@ def test_more_rules_with_varying_none_patterns_equal_plain_optax(name, style):
     assert_close(state, ref_state)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_the_none_pattern_matters_for_multisteps():
     # Guard: plain optax with zeros for None (nothing put back) ends elsewhere.
     rule = RULES["multisteps_adam"]()
@@ -240,6 +242,7 @@ def test_random_operation_sequences_equal_per_parameter_optax(ops, implicit):
 # --- ties, shared sub-models, __trainable__ --------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("implicit", [False, True])
 def test_tied_weight_counted_once_by_clip_by_global_norm(implicit):
     w, b = jnp.array([3.0, 4.0]), jnp.array([1.0])
@@ -281,6 +284,7 @@ class Half(tg.Module):
         self.n = jnp.array(1)  # integer
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_shared_module_with_trainable_in_place_and_none_for_one_place():
     blk = Half()
     model = {"a": blk, "b": blk, "h": jnp.ones(2)}
@@ -351,6 +355,7 @@ def test_destructure_skips_untrained_and_keeps_dtypes():
 # --- adjust, views ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_pure_adjust_of_a_sub_state_leaves_the_original_untouched():
     model = start()
     state = tg.setup(inj(), model)
@@ -366,6 +371,7 @@ def test_pure_adjust_of_a_sub_state_leaves_the_original_untouched():
     assert not np.allclose(m2["b"], model["b"])
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_adjust_a_hyperparameter_given_as_an_int():
     rule = optax.inject_hyperparams(optax.sgd)(learning_rate=1)  # optax stores int32
     model = {"w": jnp.ones(2)}
@@ -385,6 +391,7 @@ def test_adjust_a_hyperparameter_given_as_an_int():
     np.testing.assert_allclose(new["w"], [-1.0, -1.0])
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_views_follow_freeze_and_adjust_of_a_leaf_inside_a_chain_model():
     k1, k2 = jax.random.split(jax.random.key(0))
     model = nn.Chain(nn.Dense(2, 3, key=k1), nn.Dense(3, 1, key=k2))
@@ -409,6 +416,7 @@ def test_views_follow_freeze_and_adjust_of_a_leaf_inside_a_chain_model():
 # --- failure atomicity ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_bad_gradient_in_a_grafted_part_changes_nothing_in_place():
     blk = nn.Dense(2, 2, key=jax.random.key(0))
     model = {
@@ -467,6 +475,7 @@ def _tie(model):
     model["b"] = model["a"]
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 @pytest.mark.parametrize(
     ("tied", "change", "message"),
     [
@@ -518,6 +527,7 @@ def _adam_after_freeze_thaw(split_first):
     return model["a"], int(state["a"].state.count)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_freeze_counts_like_none_gradients_with_one_rule():
     # Plain optax reference: two steps with no gradient for a (count advances,
     # moments kept at zero), then one with: adam's bias correction at count 3.

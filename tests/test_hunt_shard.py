@@ -164,6 +164,7 @@ def specs(tree):
 # ---------------------------------------------------------------- tg.shard: rules
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_overlapping_rules_the_first_match_wins(mesh2):
     model = Net(jax.random.key(0))
     rules = {"l1.weight": P("data", "model"), "*.weight": P("model", None), "l1": P()}

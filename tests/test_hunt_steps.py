@@ -515,6 +515,7 @@ class _Scaled(tg.Module):
         return (x @ self.w) * self.scale
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_static_edit_with_a_stateless_rule_then_a_compiled_step_twice_traces_once():
     # optax.sgd keeps no state arrays; the step after an edit of a static attribute
     # traces once, and every step equals the uncompiled one.
@@ -649,6 +650,7 @@ def test_implicit_and_explicit_programs_bit_identical_through_edits():
         assert_same(si, se, exact=True)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_no_retrace_over_a_program_that_changes_no_structure():
     """Rebinding weights, replacing a layer by a like one, adjusting: data, not structure."""
     model = Net()
@@ -811,6 +813,7 @@ def test_tying_after_setup_is_an_error_then_a_new_setup_trains_the_tie():
     assert_same(model, ref)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_untying_after_a_tied_setup_is_an_error_with_the_way_out():
     model, ps, box, step = compiled_world()
     model.l2.weight = model.l1.weight
@@ -828,6 +831,7 @@ def test_untying_after_a_tied_setup_is_an_error_with_the_way_out():
     assert model.l1.weight is model.l2.weight
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_params_add_of_a_new_array_is_a_state_error_and_changes_nothing():
     model, ps, box, step = compiled_world()
     step(X8, Y8)
@@ -838,6 +842,7 @@ def test_params_add_of_a_new_array_is_a_state_error_and_changes_nothing():
     assert_nothing_changed(before, user_view(model, box["state"], ps))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_adjust_without_inject_hyperparams_between_compiled_steps_says_how():
     model, ps, box, step = compiled_world()
     step(X8, Y8)
@@ -850,6 +855,7 @@ def test_adjust_without_inject_hyperparams_between_compiled_steps_says_how():
     step(X8, Y8)  # still usable
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_stale_grads_across_a_compiled_step_are_refused_and_change_nothing():
     model, ps, box, step = compiled_world()
     grads = tg.gradient(lambda: net_loss(model, X8, Y8), ps)
@@ -860,6 +866,7 @@ def test_stale_grads_across_a_compiled_step_are_refused_and_change_nothing():
     assert_nothing_changed(before, user_view(model, box["state"], ps))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_reusing_a_donated_model_is_an_error_that_says_donated():
     m = Net()
     s = tg.setup(optax.adam(0.02), m)
@@ -961,6 +968,7 @@ def test_static_edit_of_the_model_rejects_the_optimiser_state(compiled):
     assert int(leaves(state)[0]) == 2  # adam's count: both steps taken
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_pure_update_after_a_static_edit_keeps_the_edit_and_a_new_array_still_errors():
     model = {"l": nn.Dense(4, 1, jnp.tanh, key=K[0])}
     state = tg.setup(optax.adam(0.02), model)
@@ -980,6 +988,7 @@ def net_loss_key(m, key):
     return jnp.mean((m(X8, key) - Y8) ** 2)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_remove_then_add_back_breaks_the_state():
     model, ps, _, step = compiled_world()
     b = model.l3.bias
@@ -994,6 +1003,7 @@ def test_remove_then_add_back_breaks_the_state():
     assert model.l3.bias is not b
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("program", ["dict-write", "implicit-training"])
 def test_object_holding_its_compiled_step_twice_loses_the_updates(program):
     # SILENT WRONG RESULT: the compiled step runs, returns, and nothing it rebound is

@@ -126,6 +126,7 @@ def test_train_explicit_equals_plain_optax_and_hand_loop_step_by_step():
     assert isinstance(trained, nn.Chain) and trained[0].activation is jnp.tanh
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_train_implicit_equals_plain_optax_and_hand_loop():
     data = make_data()
     model = make_model()
@@ -163,6 +164,7 @@ class XY(NamedTuple):
     y: jax.Array
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_every_form_of_data_gives_the_same_run_as_a_list():
     data = make_data(3)
     model = make_model()
@@ -217,6 +219,7 @@ def test_iterator_data_with_several_epochs_names_the_type():
         tg.train(loss, model, map(lambda b: b, xs), state, epochs=2)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_python_numbers_in_batches_and_closures_are_never_stale():
     model = {"w": jnp.ones(())}
     state = tg.setup(optax.sgd(0.1), model)
@@ -244,6 +247,7 @@ def nan_data():
     return data, (x.at[0, 0].set(jnp.nan), y)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_nonfinite_in_second_epoch_explicit_keeps_last_good_by_value():
     data, bad = nan_data()
     calls = []
@@ -274,6 +278,7 @@ def test_nonfinite_in_second_epoch_explicit_keeps_last_good_by_value():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_nonfinite_implicit_puts_model_and_state_back_by_value_and_can_resume():
     data, bad = nan_data()
     model = make_model()
@@ -305,6 +310,7 @@ def sqrt_loss(m, x):
     return jnp.sum(jnp.sqrt(m(x) ** 2 * x[..., :1]))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_nonfinite_gradient_names_the_parameter_path_as_params_names_it():
     model = nn.Chain(nn.Dense(2, 2, key=K))
     data = [(jnp.ones((1, 2)),), (jnp.zeros((1, 2)),)]
@@ -318,6 +324,7 @@ def test_nonfinite_gradient_names_the_parameter_path_as_params_names_it():
     assert len(e.value.losses) == 1
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_nonfinite_gradient_implicit_names_the_step_and_restores():
     model = nn.Chain(nn.Dense(2, 2, key=K))
     ps = tg.params(model)
@@ -349,6 +356,7 @@ def make_ref_sgd_after_one(model, x):
     return {k: np.asarray(v) for k, v in step(p).items()}
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_update_that_makes_the_model_nonfinite_is_not_last_good():
     model = {"w": jnp.ones(())}
     data = [(jnp.array([1e30]),), (jnp.array([1.0]),)]
@@ -399,6 +407,7 @@ def test_data_as_one_tuple_of_arrays_error_points_at_the_data():
 # --- nn layers against plain references ------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_dense_shapes_dtypes_and_values_against_numpy():
     layer = nn.Dense(3, 5, jax.nn.relu, key=K)
     assert layer.weight.shape == (5, 3) and layer.bias.shape == (5,)
@@ -426,6 +435,7 @@ def test_dense_shapes_dtypes_and_values_against_numpy():
     )
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_chain_indexing_slicing_names_and_key_splitting():
     d1, d2 = nn.Dense(2, 3, key=K), nn.Dense(3, 1, key=jax.random.key(1))
     chain = nn.Chain(d1, jax.nn.relu, d2)
@@ -454,6 +464,7 @@ def test_chain_indexing_slicing_names_and_key_splitting():
     np.testing.assert_allclose(y_drop, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_dropout_mask_scale_gradient_and_modes():
     d = nn.Dropout(0.4)
     x = rnd(5, 500) + 3.0
@@ -514,6 +525,7 @@ def test_testmode_in_a_module_list_and_dict():
     np.testing.assert_array_equal(test.named["d"](x), x)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_embedding_out_of_range_index_is_an_error():
     emb = nn.Embedding(10, 4, key=K)
     with pytest.raises(
@@ -530,6 +542,7 @@ def test_embedding_out_of_range_index_is_an_error():
     assert bool(jnp.all(jnp.isnan(out[1])))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_embedding_gradient_sums_repeated_indices_both_styles():
     emb = nn.Embedding(6, 3, key=K)
     idx_np = np.array([[1, 4], [1, 1]])
@@ -558,6 +571,7 @@ def np_conv1d(x, w, b, stride, dilation, pad):
     return np.stack(outs, 1) + np.asarray(b)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_conv1d_stride_dilation_padding_against_numpy():
     conv = nn.Conv(3, 2, 4, key=K, stride=2, dilation=2, padding=[(1, 2)])
     assert conv.weight.shape == (3, 2, 4) and conv.bias.shape == (4,)
@@ -681,6 +695,7 @@ def test_recurrences_batched_from_a_nonzero_state_equal_hand_scan_and_grads():
             )
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_cell_parameter_shapes_and_initialisation():
     rnn, lstm, gru = jax.jit(
         lambda: (nn.RNNCell(2, 3, key=K), nn.LSTMCell(2, 3, key=K), nn.GRUCell(2, 3, key=K))
@@ -774,6 +789,7 @@ def test_every_layer_gradient_both_styles_equals_jax_grad():
 # --- losses against optax / numpy ---------------------------------------------------
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_losses_against_optax_and_numpy_with_gradients():
     yhat, y, logits = rnd(0, 6, 3), rnd(1, 6, 3), rnd(2, 2, 3, 5)
     labels = jnp.asarray(np.random.default_rng(3).integers(0, 5, (2, 3)), jnp.int32)
@@ -836,6 +852,7 @@ def test_crossentropy_does_not_renormalise_probabilities():
     np.testing.assert_allclose(value, -np.log(0.2), rtol=1e-5)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_mse_on_integer_arrays_works_or_is_clear():
     yhat, y = jnp.array([1, 2, 3]), jnp.array([1, 1, 1])
     np.testing.assert_allclose(tg.losses.mae(yhat, y), 1.0)

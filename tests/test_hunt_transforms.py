@@ -137,6 +137,7 @@ def test_per_example_implicit_gradients_of_a_model_under_vmap_inside_jit():
 # ================================================================ loops and branches
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_gradient_descent_in_fori_and_while_loop_bodies():
     def fori(w, grad):
         return jax.lax.fori_loop(0, 5, lambda i, w: w - 0.1 * grad(lambda v: f(v, X))(w), w)
@@ -211,6 +212,7 @@ def test_switch_branches_each_taking_a_gradient_under_jit_and_vmap():
     close(jax.vmap(lambda i: sw(i, X, tg_grad))(idx), jax.vmap(lambda i: sw(i, X, jax.grad))(idx))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_cond_with_implicit_gradients_in_both_branches_under_vmap():
     ps = tg.Params([W])
 
@@ -228,6 +230,7 @@ def test_cond_with_implicit_gradients_in_both_branches_under_vmap():
     )
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_reverse_mode_through_a_while_loop_is_jax_s_error():
     h = lambda w: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * w), (0, w))[
         1
@@ -301,6 +304,7 @@ def _inside_cases(fast):
     ]
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("name", _inside_cases(True))
 def test_transforms_and_control_flow_inside_f_explicit_implicit_and_vmapped(name):
     fn = INSIDE[name]
@@ -397,6 +401,7 @@ def test_custom_vjp_returning_zeros_is_a_structural_zero_and_unused_leaves_stay_
     assert tg.gradient(lambda a, b: jnp.sum(a) + jnp.sum(jnp.zeros_like(b)), W, X)[1] is None
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_custom_rules_with_nondiff_arguments_and_captured_constants():
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
     def clip_grad(c, x):
@@ -459,12 +464,14 @@ def _inject(x):  # a value of zero that passes its cotangent, doubled, to x
 _inject.defvjp(lambda x: (jnp.zeros_like(x), None), lambda _, g: (2.0 * g,))
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_pullback_and_jacobian_of_a_custom_vjp_whose_value_ignores_its_input():
     dy = jnp.array([1.0, 2.0, 3.0])
     close(tg.pullback(_inject, W)[1](dy), jax.vjp(_inject, W)[1](dy))
     close(tg.jacobian(_inject, W), (jax.jacrev(_inject)(W),))
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize(
     "fn",
     [
@@ -961,6 +968,7 @@ def test_first_gradient_of_a_process_inside_an_eager_shard_map(devices):
 # ================================================================ donation and aliasing
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_tg_jit_donation_of_shared_buffers_and_under_outer_transforms():
     donating = tg.jit(lambda a, b: a * 2 + b, donate_argnums=0)
     a = jnp.arange(3.0)
@@ -985,6 +993,7 @@ def test_update_donate_inside_jax_jit_leaves_the_model_alive():
     assert not model["w"].is_deleted()
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_update_donate_with_gradients_that_are_the_models_own_arrays():
     # Weight decay written by hand (the model as its own gradient), or a gradient
     # that is a state array: before the fix XLA refused the call ("Attempt to use a
@@ -1007,6 +1016,7 @@ def test_update_donate_with_gradients_that_are_the_models_own_arrays():
 # ================================================================ implicit pullback
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_implicit_pullback_with_a_captured_parameter_the_output_ignores():
     # Before the fix: ValueError "zip() argument 2 is shorter than argument 1" from
     # back(dy): the backward function gave one gradient per differentiated parameter,
@@ -1028,6 +1038,7 @@ def test_implicit_pullback_with_a_captured_parameter_the_output_ignores():
 # ================================================================ Params and user transforms
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_params_of_a_captured_model_with_the_model_traced_by_tg_jit():
     model = nn.Dense(3, 1, key=jax.random.key(0))
     ps = tg.params(model)
@@ -1040,6 +1051,7 @@ def test_params_of_a_captured_model_with_the_model_traced_by_tg_jit():
     close(step(model, X), jax.grad(loss)(model, X).weight)
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_params_registered_outside_jax_jit_warning_names_the_transform():
     model = nn.Dense(3, 1, key=jax.random.key(0))
     ps = tg.params(model)

@@ -415,6 +415,7 @@ def test_a_loss_log_appended_to_inside_a_compiled_step_is_said_not_silently_empt
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over ~2 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("fix", ["returned", "array placeholder"])
 def test_the_fixes_the_warning_names_log_every_loss_and_trace_once(fix):
     model = make()

@@ -295,6 +295,7 @@ def test_files_and_folders_respect_the_umask(tmp_path):
         assert mode == (0o750 if p.is_dir() else 0o640), (p, oct(mode))
 
 
+@pytest.mark.slow  # over ~2 s: the default run stays under 3 minutes
 def test_import_treegrad_does_not_import_orbax():
     code = "import sys, treegrad; print('orbax' in str(list(sys.modules)))"
     out = subprocess.run(

@@ -124,6 +124,7 @@ def test_sorting_a_captured_array_in_place_is_not_dropped():
     assert run(_tg) == ref
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_a_shuffled_index_array_in_a_compiled_step_matches_the_uncompiled_step():
     """A training step that shuffles its captured numpy index array in place: each call
     takes the next order, as uncompiled (the draw restored after the failed trace)."""
@@ -246,6 +247,7 @@ def test_a_function_writing_the_same_values_is_compiled_once_they_are_there():
     assert len(traces) == 3
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 def test_implicit_mode_reads_a_numpy_scale_as_a_value_beside_its_parameters():
     model = {"p": jnp.array([1.0, 2.0])}
     scale = np.array([3.0])
@@ -295,6 +297,7 @@ def test_an_array_the_trace_did_not_change_keeps_its_identity_and_contents():
     assert np.asarray(g).tolist() == [1.0, 0.0, 1.0]
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 def test_a_numpy_batch_that_changes_each_step_beside_a_numpy_mask_is_said():
     """The mask makes the function read its numpy arrays as values; the batch then
     changes on every step and costs a trace each time: correct, and said once."""

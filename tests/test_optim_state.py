@@ -176,6 +176,7 @@ def test_shared_submodel_stays_one_object():
 # --- per-sub-model rules ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~2 s: the default run stays under 3 minutes
 def test_assigned_rule_equals_optax_multi_transform():
     model = chain_model()
     root = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
