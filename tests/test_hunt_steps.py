@@ -488,7 +488,7 @@ def test_random_programs_compiled_equal_uncompiled(kind, rule, ops):
 
 @pytest.mark.slow
 @settings(
-    max_examples=40,
+    max_examples=24,  # 212 s at 40 (2026-12-01): CI runs it once, on the newest jax
     derandomize=True,  # the same programs in every run: CI gets one try
     deadline=None,
     database=None,
