@@ -375,3 +375,56 @@ def test_bug_numpy_array_in_an_opaque_container_changed_in_place(holder):
         return out
 
     assert run(_tg) == run(lambda loss: jax.grad(loss)(W))
+
+
+class _Slots:
+    __slots__ = ("buf",)
+
+    def __init__(self, buf):
+        self.buf = buf
+
+
+@pytest.mark.parametrize("where", ["attribute", "slots", "dict", "global", "nonlocal"])
+def test_a_new_numpy_array_bound_in_place_of_a_value_read_one_stays(where):
+    """The function sorts its array in place (so the arrays are read as values), then
+    binds a new numpy array in its place: that new array is what the caller sees after
+    the call, and what the next call reads, as uncompiled."""
+
+    def run(grad):
+        global _BUF
+        holder = types.SimpleNamespace(buf=np.array([2.0, 1.0, 3.0]))
+        slots = _Slots(np.array([2.0, 1.0, 3.0]))
+        d = {"buf": np.array([2.0, 1.0, 3.0])}
+        _BUF = np.array([2.0, 1.0, 3.0])
+        buf = np.array([2.0, 1.0, 3.0])
+
+        def loss(w):
+            global _BUF
+            nonlocal buf
+            if where == "attribute":
+                holder.buf.sort()
+                holder.buf = holder.buf + 1.0
+                now = holder.buf
+            elif where == "slots":
+                slots.buf.sort()
+                slots.buf = slots.buf * 3.0
+                now = slots.buf
+            elif where == "dict":
+                d["buf"].sort()
+                d["buf"] = d["buf"] * 2.0
+                now = d["buf"]
+            elif where == "global":
+                _BUF.sort()
+                _BUF = _BUF - 1.0
+                now = _BUF
+            else:
+                buf.sort()
+                buf = buf / 2.0
+                now = buf
+            return jnp.sum(w * now)
+
+        out = [np.asarray(grad(loss)).tolist() for _ in range(3)]
+        after = [holder.buf, slots.buf, d["buf"], _BUF, buf]
+        return out, [a.tolist() for a in after]
+
+    assert run(_tg) == run(lambda loss: jax.grad(loss)(W))

@@ -203,7 +203,8 @@ class Swap:
             for name, child in node.attrs:
                 self._set_item(d, name, self.put(child, d[name]))
             for name, child in node.slots:
-                self._set_attr(v, name, self.put(child, getattr(v, name)))
+                new = self.put(child, getattr(v, name))
+                self._set_attr(v, name, new, copy=isinstance(child, Snap))
             return v
         if isinstance(node, Tree):
             return self._tree(node, v)
@@ -233,14 +234,24 @@ class Swap:
                 self.touched.append((container, key, old))
             container[key] = new
 
-    def _set_attr(self, obj: Any, name: str, new: Any, plain: bool = True) -> None:
+    def _set_attr(
+        self, obj: Any, name: str, new: Any, plain: bool = True, copy: bool = False
+    ) -> None:
         old = getattr(obj, name)
         if new is old:
             return
         # Frozen dataclass-style models (equinox) refuse setattr; object.__setattr__
         # is how their own tree-surgery helpers write, and it cannot be intercepted.
         setter = object.__setattr__ if plain else setattr
-        self._log(lambda: setter(obj, name, old))
+
+        def undo() -> None:
+            # `copy`: a numpy array read as a value; a value the function bound there
+            # instead stays, as uncompiled (unless computed from traced arrays).
+            now = getattr(obj, name)
+            if not copy or now is new or _holds_tracer(now):
+                setter(obj, name, old)
+
+        self._log(undo)
         setter(obj, name, new)
 
     def _func(self, node: Func, fn: types.FunctionType) -> None:
@@ -250,7 +261,10 @@ class Swap:
             old = cell.cell_contents
             new = self.put(child, old)
             if new is not old:
-                self._log(functools.partial(setattr, cell, "cell_contents", old))
+                if isinstance(child, Snap):  # a copy: the function may bind another value
+                    self._log(functools.partial(_put_back_cell, cell, new, old))
+                else:
+                    self._log(functools.partial(setattr, cell, "cell_contents", old))
                 cell.cell_contents = new
         g = fn.__globals__
         for name, child in node.globals:
@@ -292,6 +306,15 @@ def _copy_back(user: np.ndarray, copy: np.ndarray) -> None:
     if copy.shape != user.shape:  # `resize` on the copy
         user.resize(copy.shape, refcheck=False)
     np.copyto(user, copy)
+
+
+def _put_back_cell(cell: types.CellType, new: Any, old: Any) -> None:
+    """Undo a closure cell's copy of a numpy array read as a value: the user's array
+    back, unless the function bound another value there (`nonlocal buf; buf = ...`),
+    which stays, as uncompiled (unless computed from traced arrays)."""
+    now = cell.cell_contents
+    if now is new or _holds_tracer(now):
+        cell.cell_contents = old
 
 
 def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
