@@ -190,6 +190,7 @@ def test_the_usual_update_path_hands_other_gradient_trees_to_the_general_one():
         tg.update(state, {"w": m3["w"], "b": m3["w"]}, {"w": g["w"], "b": g["w"]})
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_the_usual_step_takes_neither_general_path_and_matches_plain_optax(monkeypatch):
     # The naive loop's usual call (`Entry.run_plain`) and step (`_optim._update_plain`)
     # skip the general paths; what they give must be what those (and jax, optax) give.

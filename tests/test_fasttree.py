@@ -322,6 +322,7 @@ def test_params_see_a_layer_appended_after_the_fast_path_was_built():
     assert any(p is m.layers[0].weight for p in ps)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_steady_state_generates_no_code():
     """Every training loop, once warm, runs generated code without generating more
     (a guard that compiled its Shape on every call made the implicit loop 8x slower)."""

@@ -159,6 +159,7 @@ def test_pullback():
     assert tg.pullback(lambda a, c: a * 2, x, b)[1](jnp.ones(5))[1] is None
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_jacobian_and_hessian_against_jax():
     f = lambda v: jnp.tanh(W @ v)
     (J,) = tg.jacobian(f, x)
@@ -234,6 +235,7 @@ def test_tied_leaves_stay_tied_and_get_the_total_at_the_first_place():
     assert g["b"] is None
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_compile_reused_across_models_of_same_shape():
     m1, m2 = MLP(jax.random.key(1)), MLP(jax.random.key(2))
     xs, ys = jnp.ones((3, 4)), jnp.zeros((3, 1))

@@ -44,6 +44,7 @@ class RNNCell(tg.Module):
         return jnp.tanh(self.Wi @ x + self.Wh @ h + self.b)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_question2_recurrent_model_names_each_gradient():
     rnn = RNNCell(2, 3, jax.random.key(1))
     seq = jax.random.normal(jax.random.key(2), (3, 2))
@@ -172,6 +173,7 @@ def test_grads_arithmetic_and_map():
         g1["w"] = 1  # read-only
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_to_tree_equals_explicit():
     m = MLP(jax.random.key(3))
     xs = jax.random.normal(jax.random.key(4), (6, 4))

@@ -80,6 +80,7 @@ def test_compiled_implicit_step_matches_the_uncompiled_one():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_grads_looked_up_with_the_users_arrays_inside_a_compiled_step():
     model = make()
     ps = tg.params(model)
@@ -97,6 +98,7 @@ def test_grads_looked_up_with_the_users_arrays_inside_a_compiled_step():
     assert seen == [(8, 4)]
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_weight_decay_over_a_captured_params():
     model = make()
     ps = tg.params(model)
@@ -145,6 +147,7 @@ def test_pullback_nested_in_a_gradient():
     np.testing.assert_allclose(grads[w], jax.grad(explicit)(w), rtol=1e-5)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_train_with_params_equals_train_with_the_model():
     data = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 16, 4)] * 3
     m1 = make()

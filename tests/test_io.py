@@ -58,6 +58,7 @@ def fresh(seed=9):
 # ---------------------------------------------------------------- round trips
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_model_and_state_round_trip_and_training_continues_identically(tmp_path):
     model, state = trained()
     tg.save(tmp_path / "ck", (model, state))
@@ -76,6 +77,7 @@ def test_model_and_state_round_trip_and_training_continues_identically(tmp_path)
         assert bits(a) == bits(b)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_state_of_params_round_trip(tmp_path):
     model, _ = trained()
     ps = tg.params(model)
@@ -255,6 +257,7 @@ def test_like_of_shape_dtype_structs_numpy_and_sharding(tmp_path):
     assert all(isinstance(a, np.ndarray) for a in jax.tree_util.tree_leaves(out))
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_like_is_not_modified_and_resave_same_path(tmp_path):
     model, state = trained()
     like = fresh()

@@ -149,6 +149,7 @@ def test_batchnorm_stats_inside_loss_and_jit():
     assert g[1].scale is not None
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_dropout_modes_and_key():
     d = nn.Dropout(0.3)
     x = jnp.ones((2000,))

@@ -333,6 +333,7 @@ def test_jit_donate_argnums():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_complex_parameters_like_plain_optax():
     # The optimiser applies whatever gradient it is given; with API.md's
     # steepest-ascent gradient (conj of jax.grad's) adam descends to the target.

@@ -79,6 +79,7 @@ def test_checkpoint_names_are_model_paths():
 # --- None gradients, checkpoints -------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_save_after_a_none_step_then_load_into_fresh_setup_continues_identically(tmp_path):
     rule = lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
     model = chain_model()
@@ -137,6 +138,7 @@ def test_tied_array_one_state_summed_gradients_one_object():
     assert_same_arrays(state, s1)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_shared_submodel_stays_one_object():
     block = nn.Dense(2, 2, key=jax.random.key(0))
     model = {"a": block, "b": block, "head": jnp.ones(2)}

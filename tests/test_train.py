@@ -54,6 +54,7 @@ def test_train_stops_on_nan_keeping_last_good():
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(err.model))
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_losses_against_closed_forms():
     yhat = jnp.array([1.0, 2.0, 3.0])
     y = jnp.array([1.5, 2.0, 1.0])
@@ -82,6 +83,7 @@ def test_losses_against_closed_forms():
     np.testing.assert_allclose(tg.losses.huber(jnp.array([3.0]), jnp.array([0.0])), 2.5)
 
 
+@pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes
 def test_dense_train_end_to_end():
     model = nn.Chain(
         nn.Dense(4, 16, jax.nn.relu, key=jax.random.key(1)), nn.Dense(16, 1, key=jax.random.key(2))
