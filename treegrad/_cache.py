@@ -146,7 +146,7 @@ def _new(
     draws = Draws(entry.consumed) if entry.numpy_places else None
     try:
         return entry, _first_run(entry, call, params)
-    except Exception as e:
+    except Exception as e:  # the user function's own error: re-raised unless numpy retries it
         key = root_keys(call.roots)
         if draws is None or key in NUMPY_VALUES:
             raise
