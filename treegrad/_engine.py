@@ -581,7 +581,7 @@ class Entry:
 
 
 # The functions (by `root_keys`) whose captured numpy arrays are read as values: they
-# sort or fill one in place, or a trace with them as inputs failed (`_cache.execute`).
+# sort or fill one in place, or a trace with them as inputs failed (`_cache._new`).
 # A jax tracer cannot stand in for a numpy array such a function changes in place.
 # Each with the number of walks since, for `_cache._warn_valued`.
 NUMPY_VALUES: dict[Any, int] = {}
