@@ -157,6 +157,27 @@ def _numpy_noise_inside_a_loss(c):
         tg.gradient(lambda x: jnp.sum(x * np.random.normal(size=x.shape)), c.x)
 
 
+def _numpy_array_written_inside_a_loss(c):
+    counts = np.zeros(2)
+
+    def loss(x):
+        counts[0] += 1.0
+        return jnp.sum(x) * counts[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.RetraceWarning)
+        tg.gradient(loss, c.x)
+
+
+def _numpy_batch_beside_a_numpy_mask(c):
+    mask = np.array([True, False, True])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.RetraceWarning)
+        for i in range(5):
+            xb = np.full(3, float(i))
+            tg.gradient(lambda w: jnp.sum(w[mask] * xb[mask]), jnp.ones(3))  # noqa: B023
+
+
 def _next_batch_inside_a_loss(c):
     batches = iter([c.x, c.x * 2])
     with warnings.catch_warnings():
@@ -769,6 +790,21 @@ ROWS = [
         tg.RetraceWarning,
         r"tg\.gradient: \S+ takes items from a list_iterator it captures while traced.*take "
         r"the items outside the function and pass them in",
+    ),
+    row(
+        "numpy-array-written-in-place-inside-a-loss",
+        _numpy_array_written_inside_a_loss,
+        tg.RetraceWarning,
+        r"tg\.gradient: \S+ changes a numpy array it captures in place while traced \(one of: "
+        r"counts\).*traced again on every call that finds one changed.*keep that state in a "
+        r"jax array that the function returns",
+    ),
+    row(
+        "numpy-batch-changing-beside-a-numpy-mask",
+        _numpy_batch_beside_a_numpy_mask,
+        tg.RetraceWarning,
+        r"tg\.gradient: \S+ needs the numpy arrays it captures as numpy values \(mask, xb\).*"
+        r"traced 4 times.*Pass an array that changes each step as a jax array",
     ),
     row(
         "datasets-batches-size-zero",

@@ -146,7 +146,7 @@ def _new(
     draws = Draws(entry.consumed) if entry.numpy_places else None
     try:
         return entry, _first_run(entry, call, params)
-    except Exception as e:  # the user function's own error: re-raised unless numpy retries it
+    except _NOT_NUMPY as e:
         key = root_keys(call.roots)
         if draws is None or key in NUMPY_VALUES:
             raise
@@ -156,9 +156,19 @@ def _new(
     try:
         entry = make(call)
         return entry, _first_run(entry, call, params)
-    except Exception:  # any error: the function fails otherwise too; the first is the one
+    except BaseException as again:
         NUMPY_VALUES.pop(key, None)
-    raise error
+        if not isinstance(again, _NOT_NUMPY):
+            raise
+    raise error  # it fails either way: the error of the function as the user wrote it
+
+
+# What numpy code meets on the jax tracer standing in for a numpy array: a missing method
+# (`fill`), a refused write (`x[0] = 1`, `out=`), a value a trace cannot know (jax's
+# concretization errors are TypeErrors, a boolean mask an IndexError), a type numpy's C
+# code refuses, numpy's own warning about the tracer turned into an error (`shuffle`
+# warns that it is not a Sequence). Any other error is not retried.
+_NOT_NUMPY = (TypeError, AttributeError, NotImplementedError, IndexError, ValueError, Warning)
 
 
 def _first_run(entry: Entry, call: Call, params: Sequence[Any] | None) -> Any:
