@@ -91,7 +91,7 @@ class Entry:
         self.out_shardings = out_shardings
         walk, self.nodes, self.absolute = _walk(call, params)
         # Captured numpy arrays that are inputs (a trace that fails on one is tried again
-        # with them read as values: `_cache.execute`), and those read as values.
+        # with them read as values: `_cache._new`), and those read as values.
         self.numpy_places = walk.numpy_places
         self.valued = walk.valued
         self.wrote = False  # a trace changed one of those in place (`_swap.Settle`)

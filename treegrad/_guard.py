@@ -327,14 +327,15 @@ class Snap(Node):
             old = self.value
             return len(v) == len(old) and all(a is b for a, b in zip(v, old, strict=True))
         if isinstance(v, np.ndarray):
-            return _same_array(v, self.value)
+            return same_array(v, self.value)
         if self.as_dict:
             d = dict(v)
             return bool(d == self.value) and list(d) == list(self.value)
         return bool(v == self.value)
 
 
-def _same_array(v: np.ndarray, old: np.ndarray) -> bool:
+def same_array(v: np.ndarray, old: np.ndarray) -> bool:
+    """Whether a numpy array holds what `old` holds (shape, dtype and values)."""
     if v.shape != old.shape or v.dtype != old.dtype:
         return False
     # A NaN in a captured numpy array is the same value on the next call.

@@ -46,6 +46,7 @@ from ._guard import (
     has_instance_dict,
     has_places,
     is_array,
+    same_array,
 )
 from ._jaxpr import is_tracer
 from ._paths import rebind, rebind_value
@@ -301,7 +302,7 @@ class Swap:
 
 def _copy_back(user: np.ndarray, copy: np.ndarray) -> None:
     """What the function wrote into the copy of a numpy array, into the user's array."""
-    if copy.shape == user.shape and np.array_equal(copy, user, equal_nan=user.dtype.kind in "fc"):
+    if same_array(copy, user):
         return
     if copy.shape != user.shape:  # `resize` on the copy
         user.resize(copy.shape, refcheck=False)
