@@ -3,8 +3,8 @@
 `nox -s tests_newest` runs every test on the newest jax and jaxlib, on each of
 Python 3.12 and 3.13 found (jax 0.11 and later need Python >= 3.12); `.ci/run`
 runs it when such an interpreter exists, in parallel (`-- -n auto`, pytest-xdist):
-every test on the first, the default selection (`-- -m "not slow and not docs"`) on
-the next.
+every test on the first; on the next, the default selection (`-- -m "not slow and not
+docs"`) of the engine's tests, which read the interpreter's bytecode and frames.
 """
 
 import nox

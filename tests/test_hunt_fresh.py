@@ -685,8 +685,9 @@ def test_random_closures_and_mutation_sequences_are_never_stale(case):
     _run_case(case)
 
 
+# New closures on every run (not derandomized): 74 s at 150 on a 2-core machine.
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_case)
 def test_many_random_closures_and_mutation_sequences_are_never_stale(case):
     _run_case(case)
