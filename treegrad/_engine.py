@@ -162,8 +162,12 @@ class Entry:
             and self.cl_slots is None
             and self.wrt == tuple(range(self.n_cl, len(dyn)))
         )
-        # ...and a gradient on one device: `run_plain` runs it in one step.
-        self.fast = self.plain and self.program == GRAD and not self._multi
+        # ...and a gradient on one device: `run_plain` runs it in one step; so it does
+        # a `tg.jit` call with no array captured twice and no argument captured.
+        one = self.cl_slots is None and self.a_links is None
+        self.fast = not self._multi and (
+            (self.plain and self.program == GRAD) or (self.program == CALL and one)
+        )
         self._build()
         return dyn
 
@@ -410,16 +414,23 @@ class Entry:
         return self._unpack(roots, out)
 
     def run_plain(self, roots: tuple[Any, ...], a_uniq: list[Any]) -> Any:
-        """`run` for the usual explicit gradient (`fast`), guard and all, in one step;
-        None when the call is not this entry's (another guard, tied captured arrays,
-        a trace that reads differentiation otherwise)."""
+        """`run` for the usual call (`fast`), guard and all, in one step: an explicit
+        gradient, or a `tg.jit` call whose arguments are not arrays it captures. None
+        when the call is not this entry's (another guard, tied captured arrays, an
+        argument that is a captured array, a trace that reads differentiation
+        otherwise)."""
         cl = self.guard.check(*roots)
-        if cl is None or len(set(map(id, cl))) != len(cl):
+        if cl is None:
             return None
+        call = self.program == CALL
+        if cl:
+            ids = set(map(id, cl))
+            if len(ids) != len(cl) or (call and not ids.isdisjoint(map(id, a_uniq))):
+                return None
         dyn = cl + a_uniq
         self.stack.append(roots)
         try:
-            out = self.jitted(*dyn, cotangent())
+            out = self.jitted(*dyn) if call else self.jitted(*dyn, cotangent())
             if self.retraced:
                 self._reread(dyn)
         except Refit:
@@ -430,6 +441,8 @@ class Entry:
         if type(out) is not list or sig is None or sig[1] or self.demoted:
             return self._unpack(roots, out)  # outputs written back, or of another form
         grads, arrays, _ = out
+        if call:
+            return [], Packed(arrays, sig[0]), grads
         shape = self._grad_shape or self._make_grad_shape()
         return None, Packed(arrays, sig[0]), shape.unflatten(grads)
 
