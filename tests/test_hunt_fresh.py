@@ -877,14 +877,8 @@ def test_dict_reordered_with_the_same_keys():
     check_both(f)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (open, by choice): the key order of a dict holding arrays (and of the dicts "
-    "inside it) is not checked: it is a pytree, and tg.update returns it with sorted keys; "
-    "checking the order would re-trace every dict model after its first update, and nothing "
-    "short of running the function tells whether its result depends on that order",
-)
-def test_bug_dict_of_arrays_reordered_with_the_same_keys():
+def test_dict_of_arrays_reordered_with_the_same_keys():
+    # Its key order is checked, as a config dict's: f reads its first value.
     d = {"a": jnp.array(1.0), "b": jnp.array(2.0)}
     f = lambda v: jnp.sum(v) * next(iter(d.values()))
     check_both(f)
@@ -1135,3 +1129,52 @@ def test_getattribute_from_a_dict_crashes_the_walk():
 
     view = View()
     fresh_after(lambda v: jnp.sum(v) * view.scale, lambda: conf.__setitem__("scale", 5.0))
+
+
+def _function_object_routes():
+    """Changes made through a function object's or an instance's own machinery."""
+
+    def scaled(v, s=2.0):
+        return jnp.sum(v**2) * s
+
+    def make():
+        s = 2.0
+        return lambda v: jnp.sum(v**2) * s
+
+    class Two:
+        s = 2.0
+
+    class Five:
+        s = 5.0
+
+    closure = make()
+    part = functools.partial(scaled, s=2.0)
+    obj = Two()
+    return {
+        "__defaults__ replaced": (
+            lambda v: scaled(v),
+            lambda: setattr(scaled, "__defaults__", (5.0,)),
+        ),
+        "closure cell assigned through __closure__": (
+            closure,
+            lambda: setattr(closure.__closure__[0], "cell_contents", 5.0),
+        ),
+        "partial.keywords edited": (lambda v: part(v), lambda: part.keywords.update(s=5.0)),
+        "instance's __class__ reassigned": (
+            lambda v: jnp.sum(v**2) * obj.s,
+            lambda: setattr(obj, "__class__", Five),
+        ),
+    }
+
+
+@pytest.mark.parametrize("route", list(_function_object_routes()))
+def test_function_object_and_class_reassignment_routes(route):
+    f, mutate = _function_object_routes()[route]
+    compiled = tg.jit(f)
+    check_both(f)
+    np.testing.assert_allclose(compiled(w), f(w), rtol=1e-6)
+    mutate()
+    check_both(f)
+    np.testing.assert_allclose(compiled(w), f(w), rtol=1e-6)
+    # The closed form after the change: 5 * sum(w**2).
+    np.testing.assert_allclose(compiled(w), 5.0 * jnp.sum(w**2), rtol=1e-6)

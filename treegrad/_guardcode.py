@@ -136,15 +136,15 @@ class Guard(CodeGen):
                 self._read(d, f"{v}[{i}]", child)
         elif isinstance(node, Map):
             if id(node) in self.ordered:
-                # The keys in order (a function may iterate the dict): ~35 ns more
-                # than their number, for a dict of a few keys.
+                # The keys in order (a function may iterate the dict, a model's too:
+                # layers applied in its order): ~35 ns more than their number, for a
+                # dict of a few keys. A captured dict model rebound to `tg.update`'s
+                # output (whose keys jax sorts) is traced once more, then hits.
                 keys = self._k([key for key, _ in node.items])
                 self._fail_unless(d, f"type({v}) is {self._k(node.type)} and [*{v}] == {keys}")
             else:
-                # The number of keys, not their order: a dict holding arrays (a model,
-                # and the dicts inside it) is a pytree, whose order jax's flatten
-                # ignores and `tg.update` does not keep (it returns sorted keys):
-                # checked, it would trace every dict model again after its first update.
+                # The number of keys, not their order: the function reorders this
+                # dict itself (its order is the function's output).
                 self._fail_unless(
                     d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
                 )
@@ -299,31 +299,17 @@ class Guard(CodeGen):
 
 def _scan(nodes: list[Node]) -> tuple[set[int], set[int]]:
     """The ids of the nodes in the tree (not behind an Alias), and of the dicts whose
-    key order the guard checks: those no array is reached through (a config), and
-    that do not sit inside a list, tuple or dict holding arrays (a model's)."""
+    key order the guard checks: every dict whose order the function itself did not
+    change, a model's too (the function may iterate it: layers applied in its order)."""
     in_tree: set[int] = set()
     ordered: set[int] = set()
-    places: dict[int, bool] = {}
-
-    def has_places(node: Node) -> bool:
-        got = places.get(id(node))
-        if got is None:
-            got = places[id(node)] = isinstance(node, Array) or any(
-                [has_places(c) for c in children(node)]
-            )
-        return got
-
-    stack: list[tuple[Node, bool]] = [(n, False) for n in nodes]
+    stack = list(nodes)
     while stack:
-        node, in_model = stack.pop()
+        node = stack.pop()
         in_tree.add(id(node))
-        if isinstance(node, (Seq, Map)):
-            in_model = in_model or has_places(node)
-            if isinstance(node, Map) and node.ordered and not in_model:
-                ordered.add(id(node))
-        else:
-            in_model = False
-        stack.extend((c, in_model) for c in children(node))
+        if isinstance(node, Map) and node.ordered:
+            ordered.add(id(node))
+        stack.extend(children(node))
     return in_tree, ordered
 
 
