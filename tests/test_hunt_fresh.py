@@ -1167,6 +1167,7 @@ def _function_object_routes():
     }
 
 
+@pytest.mark.slow  # over ~0.5 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("route", list(_function_object_routes()))
 def test_function_object_and_class_reassignment_routes(route):
     f, mutate = _function_object_routes()[route]

@@ -713,6 +713,7 @@ def test_sgd_loop_in_lax_scan_inside_tg_jit_equals_pure_jax():
     assert_close_trees(got, ref, tol=1e-6)
 
 
+@pytest.mark.slow  # over ~0.3 s: the default run stays under 3 minutes
 @pytest.mark.parametrize("tie", [False, True], ids=["captured once", "captured twice"])
 def test_fast_call_path_gives_way_when_an_argument_is_a_captured_array(tie):
     """A `tg.jit` call whose arguments are not arrays it captures runs in one step;
