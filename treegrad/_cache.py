@@ -156,7 +156,7 @@ def _new(
     try:
         entry = make(call)
         return entry, _first_run(entry, call, params)
-    except BaseException as again:
+    except BaseException as again:  # any: values mode undone; non-numpy ones propagate
         NUMPY_VALUES.pop(key, None)
         if not isinstance(again, _NOT_NUMPY):
             raise

@@ -423,10 +423,9 @@ class Entry:
         if cl is None:
             return None
         call = self.program == CALL
-        if cl:
-            ids = set(map(id, cl))
-            if len(ids) != len(cl) or (call and not ids.isdisjoint(map(id, a_uniq))):
-                return None
+        # No captured array twice; for `tg.jit`, no argument a captured array (`fits`).
+        if cl and (len(set(map(id, cl))) != len(cl) or (call and links(cl, a_uniq))):
+            return None
         dyn = cl + a_uniq
         self.stack.append(roots)
         try:

@@ -248,8 +248,7 @@ class Swap:
         def undo() -> None:
             # `copy`: a numpy array read as a value; a value the function bound there
             # instead stays, as uncompiled (unless computed from traced arrays).
-            now = getattr(obj, name)
-            if not copy or now is new or _holds_tracer(now):
+            if not copy or _trace_left(getattr(obj, name), new):
                 setter(obj, name, old)
 
         self._log(undo)
@@ -313,9 +312,15 @@ def _put_back_cell(cell: types.CellType, new: Any, old: Any) -> None:
     """Undo a closure cell's copy of a numpy array read as a value: the user's array
     back, unless the function bound another value there (`nonlocal buf; buf = ...`),
     which stays, as uncompiled (unless computed from traced arrays)."""
-    now = cell.cell_contents
-    if now is new or _holds_tracer(now):
+    if _trace_left(cell.cell_contents, new):
         cell.cell_contents = old
+
+
+def _trace_left(now: Any, new: Any) -> bool:
+    """Whether a place holds what the trace put there (`new`), or a value computed from
+    traced arrays: then the user's value goes back. Any other value the function bound
+    there stays, as it would uncompiled."""
+    return now is new or _holds_tracer(now)
 
 
 def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
