@@ -6,6 +6,7 @@ eagerly, so it is always fresh). The random test builds a few hundred such
 closures from every route at once.
 """
 
+import collections
 import contextvars
 import functools
 import operator
@@ -288,6 +289,7 @@ def _random_case(rng: random.Random, k: int):
     setters = []
     prelude: list[str] = []
     cells: list[str] = []
+    refs: dict[int, str] = {}  # a read's value, read uncompiled, where not the read itself
     for i in range(rng.randint(1, 5)):
         route = rng.choice(
             [
@@ -316,6 +318,7 @@ def _random_case(rng: random.Random, k: int):
             ns[f"box{i}"] = box
             cells.append(f"{name} = box{i}[0]")  # bound when the closure is made
             reads.append(name)
+            refs[len(reads) - 1] = f"box{i}[0]"  # what the last closure made bound
             setters.append(("remake", lambda v, box=box: box.__setitem__(0, v)))
         elif route == "default":
             prelude.append(f"def read{i}(d={name}_default): return d")
@@ -371,6 +374,7 @@ def _random_case(rng: random.Random, k: int):
             ns[f"{name}_val"] = jnp.asarray(1.0)
             prelude.append(f"helper{i} = jax.jit(lambda: {name}_val * 1.0)")
             reads.append(f"helper{i}()")
+            refs[len(reads) - 1] = f"{name}_val * 1.0"  # uncompiled
             setters.append(
                 lambda v, name=name: ns.__setitem__(f"{name}_val", jnp.asarray(v, jnp.float32))
             )
@@ -379,16 +383,35 @@ def _random_case(rng: random.Random, k: int):
     src += "".join(f"    {c}\n" for c in cells) or "    pass\n"
     src += f"    return lambda v: {terms}\n"
     exec(src, ns)
-    return ns, setters
+    return ns, setters, [refs.get(j, r) for j, r in enumerate(reads)]
+
+
+@functools.cache
+def _explicit_gradient(n: int):
+    """jax.grad of the explicit equivalent of a random case's closure of `n` reads: the
+    values it reads are an argument."""
+    loss = lambda v, r: sum(jnp.sum(v ** (j % 3 + 1)) * r[j] for j in range(n))
+    return jax.jit(jax.grad(loss))
+
+
+def _check_explicit(f, ns, refs):
+    """tg.gradient of a random case's closure equals jax.grad of its explicit equivalent,
+    given the values the reads hold now (read uncompiled, in the case's namespace)."""
+    (g,) = tg.gradient(f, w)
+    r = jnp.asarray([float(eval(e, ns)) for e in refs], jnp.float32)
+    np.testing.assert_allclose(g, _explicit_gradient(len(refs))(w, r), rtol=1e-6, atol=1e-6)
 
 
 def _run_random_closures(seed: int, n: int) -> None:
     rng = random.Random(seed)
     values = [2.0, -1.5, 0.25, jnp.asarray(3.0), np.float32(0.5), 4]
     for k in range(n):
-        ns, setters = _random_case(rng, k)
+        ns, setters, refs = _random_case(rng, k)
         f = ns["make"]()
-        check(f)
+        # Against the same closure run uncompiled too, every fifth case (jax.grad without
+        # jit: half of this test's time when done on every call).
+        compare = check if k % 5 == 0 else lambda f: _check_explicit(f, ns, refs)  # noqa: B023
+        compare(f)
         for _ in range(2):
             setter = rng.choice(setters)
             if isinstance(setter, tuple):  # a closure cell: set, then make a new closure
@@ -396,7 +419,7 @@ def _run_random_closures(seed: int, n: int) -> None:
                 f = ns["make"]()
             else:
                 setter(rng.choice(values))
-            check(f)
+            compare(f)
         # Nothing changed: the same closure (or a new one of the same code) hits the cache.
         before = tg._cache.cache_size()
         tg.gradient(ns["make"](), w)
@@ -588,6 +611,77 @@ def test_config_reordered_behind_a_mapping_proxy_is_seen():
     check(f)
     d["a"] = d.pop("a")  # now b comes first
     np.testing.assert_allclose(check(f), [2.0, 2.0, 2.0])
+
+
+class _HeldScale:
+    def __init__(self, s):
+        self.s = s
+
+
+_HELD_SCALE = 2.0
+
+
+def _held_helper(v):
+    return jnp.sin(v) * _HELD_SCALE
+
+
+def _held_cases():
+    """(what the container holds, how the loss reads the scale through it, a change to
+    the scale to 5.0 that leaves the container's items the same objects; or a change
+    that replaces one)."""
+    lst, d, o = [2.0], {"s": 2.0}, _HeldScale(2.0)
+    npl = [np.array(2.0)]
+    jxl = [jnp.array(2.0)]
+
+    def set_global():
+        global _HELD_SCALE
+        _HELD_SCALE = 5.0
+
+    return {
+        "a list": (lst, lambda x: x[0], lambda: lst.__setitem__(0, 5.0)),
+        "a dict": (d, lambda x: x["s"], lambda: d.__setitem__("s", 5.0)),
+        "an object": (o, lambda x: x.s, lambda: setattr(o, "s", 5.0)),
+        "a numpy array in a list": (npl, lambda x: x[0], lambda: npl[0].__iadd__(3.0)),
+        "a jax array in a list": (jxl, lambda x: x[0], lambda: jxl.__setitem__(0, 5.0)),
+        "a helper reading a global": (_held_helper, lambda x: x(1.0) / jnp.sin(1.0), set_global),
+    }
+
+
+@pytest.mark.parametrize("box", ["deque", "MappingProxyType"])
+@pytest.mark.parametrize("held", list(_held_cases()))
+def test_values_held_by_a_container_the_walk_does_not_see_into(box, held, monkeypatch):
+    """A deque or a MappingProxyType is compared item by item by identity: what an item
+    holds or reads, changed without replacing it, was the old value on every call (each
+    of these returned 2 where uncompiled gives 5). Each item is now walked as a root."""
+    monkeypatch.setattr(sys.modules[__name__], "_HELD_SCALE", 2.0)
+    item, read, change = _held_cases()[held]
+    holder = collections.deque([item]) if box == "deque" else types.MappingProxyType({"k": item})
+    key = 0 if box == "deque" else "k"
+    f, traces = traced(lambda v: jnp.sum(v * read(holder[key])))
+    np.testing.assert_allclose(check(f), np.full(3, 2.0), rtol=1e-6)
+    n = len(traces)
+    for _ in range(2):
+        np.testing.assert_allclose(tg.gradient(f, w)[0], np.full(3, 2.0), rtol=1e-6)
+    assert len(traces) == n  # nothing changed: not traced again
+    change()
+    np.testing.assert_allclose(check(f), np.full(3, 5.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("box", ["deque", "MappingProxyType"])
+def test_function_replaced_in_a_container_the_walk_does_not_see_into(box):
+    """A MappingProxyType of functions was compared by identity of the proxy only: a
+    helper replaced in the dict behind it kept the old gradient."""
+    d = {"act": jnp.sin}
+    dq = collections.deque([jnp.sin])
+    holder = dq if box == "deque" else types.MappingProxyType(d)
+    key = 0 if box == "deque" else "act"
+    f = lambda v: jnp.sum(holder[key](v))
+    np.testing.assert_allclose(check(f), jnp.cos(w), rtol=1e-6)
+    if box == "deque":
+        dq[0] = jnp.cos
+    else:
+        d["act"] = jnp.cos
+    np.testing.assert_allclose(check(f), -jnp.sin(w), rtol=1e-6)
 
 
 class _Cfg:

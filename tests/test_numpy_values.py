@@ -328,53 +328,128 @@ def test_a_numpy_batch_that_changes_each_step_beside_a_numpy_mask_is_said():
     assert len(traces) == 2  # the failed trace with the mask as an input, and one
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (open): arithmetic in place through another name (`b = buf; b += 1`) on a "
-    "captured numpy array that is a traced input rebinds `b` to a new traced value and "
-    "leaves `buf` as it was, where numpy adds into `buf`; nothing in the trace tells "
-    "(documented in docs/pitfalls.md, with the fix: `buf[...] += 1`)",
-)
-def test_bug_in_place_arithmetic_through_another_name():
+class _Bufs:
+    def __init__(self):
+        self.buf = np.array([1.0, 2.0, 3.0])
+        self.bufs = [np.array([1.0, 2.0, 3.0])]
+
+
+def _aliased(route):
+    """A loss that adds 1 in place to a captured numpy array through a local name bound
+    to it, then reads it: the array it returns, and the loss."""
+    o = _Bufs()
+    buf = o.buf
+
+    def closure(w):
+        b = buf
+        b += 1.0
+        return jnp.sum(w * buf)
+
+    def attribute(w):
+        h = o.buf
+        h += 1.0
+        return jnp.sum(w * o.buf)
+
+    def item(w):
+        c = o.bufs[0]
+        c += 1.0
+        return jnp.sum(w * o.bufs[0])
+
+    def loop(w):
+        for p in o.bufs:
+            p += 1.0
+        return jnp.sum(w * o.bufs[0])
+
+    fns = {"closure": closure, "attribute": attribute, "item": item, "loop": loop}
+    return (o.bufs[0] if route in ("item", "loop") else o.buf), fns[route]
+
+
+@pytest.mark.parametrize("route", ["closure", "attribute", "item", "loop"])
+def test_in_place_arithmetic_through_another_name(route):
+    """`b = buf; b += 1`: numpy adds into `buf`; on a tracer it rebinds `b` only, and
+    every call gave the first gradient with `buf` unchanged. The code's in-place
+    operator on a name bound to a value read from elsewhere now has the function's
+    captured numpy arrays read as values (`_codeinfo`), as `buf.sort()` does."""
+
     def run(grad):
-        buf = np.array([1.0, 2.0, 3.0])
+        buf, loss = _aliased(route)
+        return [np.asarray(grad(loss)).tolist() for _ in range(3)], buf.tolist()
+
+    got = run(_tg)
+    assert got == run(lambda loss: jax.grad(loss)(W))
+    assert got == ([[2.0, 3.0, 4.0], [3.0, 4.0, 5.0], [4.0, 5.0, 6.0]], [4.0, 5.0, 6.0])
+
+
+def test_in_place_arithmetic_on_a_local_accumulator_keeps_numpy_arrays_inputs():
+    """`total = 0.0; total += ...` binds no value read from elsewhere: the captured numpy
+    data stays a traced input (one trace, fresh when changed in place)."""
+    data = np.array([1.0, 2.0, 3.0])
+    traces = []
+
+    def loss(w):
+        traces.append(1)
+        total = 0.0
+        for k in range(2):
+            total += jnp.sum(w * data) * k
+        return total
+
+    for _ in range(3):
+        np.testing.assert_allclose(_tg(loss), data)
+    data[0] = 5.0
+    np.testing.assert_allclose(_tg(loss), data)
+    assert len(traces) == 1
+
+
+def _in_place_through(holder, grad):
+    """Gradients over two calls of a loss reading `buf` through `holder`, with `buf`
+    changed in place between them (and the user's `buf` after)."""
+    buf = np.array([1.0, 2.0, 3.0])
+    if holder == "deque":
+        box = collections.deque([buf])
+        read = lambda: box[0]
+    elif holder == "MappingProxyType":
+        box = types.MappingProxyType({"b": buf})
+        read = lambda: box["b"]
+    else:
+        box = collections.ChainMap({"a": 1.0}, {"b": buf})
+        read = lambda: box["b"]
+    out = []
+    for _ in range(2):
+        out.append(np.asarray(grad(lambda w: jnp.sum(w * read()))).tolist())
+        buf += 1.0
+    return out, buf.tolist()
+
+
+@pytest.mark.parametrize("holder", ["deque", "MappingProxyType", "ChainMap"])
+def test_numpy_array_in_an_opaque_container_changed_in_place(holder):
+    """A numpy array in a deque or a Mapping that is not a dict is compared by value on
+    each call (such a container's items are compared by identity: this one is the same
+    object), and traced on a copy written in its place: jax keeps the conversion of a
+    numpy constant by the array object while a trace holding it is alive (plain jax
+    too: `jax.make_jaxpr(f)(w)`, `buf += 1`, then `jnp.asarray(buf)` gives the old
+    values; jax 0.10.2 and 0.12), so the user's own array, traced again, would give
+    its old contents."""
+    got = _in_place_through(holder, _tg)
+    assert got == ([[1.0, 2.0, 3.0], [2.0, 3.0, 4.0]], [3.0, 4.0, 5.0])
+    assert got == _in_place_through(holder, lambda loss: jax.grad(loss)(W))
+
+
+def test_numpy_array_in_a_deque_the_function_changes_in_place():
+    """The function adds into the deque's array while traced (into the copy): the user's
+    array gets the change, as uncompiled, and the next call reads the new contents."""
+
+    def run(grad):
+        box = collections.deque([np.array([1.0, 2.0, 3.0])])
 
         def loss(w):
-            b = buf
-            b += 1.0
-            return jnp.sum(w * buf)
+            box[0] += 1.0  # numpy's in-place add, then the same array stored back
+            return jnp.sum(w * box[0])
 
-        return [np.asarray(grad(loss)).tolist() for _ in range(2)]
+        return [np.asarray(grad(loss)).tolist() for _ in range(3)], box[0].tolist()
 
-    assert run(_tg) == run(lambda loss: jax.grad(loss)(W))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (open): a numpy array inside a deque or a MappingProxyType, changed in "
-    "place between calls, is the same object: the guard compares such containers' items "
-    "by identity, and jax's conversion of a numpy constant is cached on the array object "
-    "(jax 0.10: weak-keyed), so a new trace would reuse the old contents too. Comparing "
-    "them by value on every call would cost a copy per item per call (a queue of numpy "
-    "batches); left for a trace-side copy of the container",
-)
-@pytest.mark.parametrize("holder", ["deque", "mappingproxy"])
-def test_bug_numpy_array_in_an_opaque_container_changed_in_place(holder):
-    def run(grad):
-        buf = np.array([1.0, 2.0, 3.0])
-        if holder == "deque":
-            box = collections.deque([buf])
-            read = lambda: box[0]
-        else:
-            box = types.MappingProxyType({"b": buf})
-            read = lambda: box["b"]
-        out = []
-        for _ in range(2):
-            out.append(np.asarray(grad(lambda w: jnp.sum(w * read()))).tolist())
-            buf += 1.0
-        return out
-
-    assert run(_tg) == run(lambda loss: jax.grad(loss)(W))
+    got = run(_tg)
+    assert got == run(lambda loss: jax.grad(loss)(W))
+    assert got == ([[2.0, 3.0, 4.0], [3.0, 4.0, 5.0], [4.0, 5.0, 6.0]], [4.0, 5.0, 6.0])
 
 
 class _Slots:

@@ -33,8 +33,10 @@ class _CodeInfo:
     (`getattr(o, name)`, `vars(o)`, `o.__dict__`, `dataclasses.asdict`...), so
     every instance attribute of the objects it reaches counts as read.
     `in_place`: it calls one of numpy's in-place methods and drops the result
-    (`order.sort()`, `np.random.shuffle(order)`, `buf.fill(0)`): on a captured numpy
-    array, which a jax tracer cannot stand in for (`_walk.Walk.as_values`).
+    (`order.sort()`, `np.random.shuffle(order)`, `buf.fill(0)`), or applies an
+    in-place operator to a local name bound to a value it read from elsewhere
+    (`b = buf; b += 1`, `for p in params: p -= g`): on a captured numpy array, which
+    a jax tracer cannot stand in for (`_walk.Walk.as_values`).
     """
 
     __slots__ = ("attrs", "dynamic", "globals", "in_place", "reads")
@@ -48,8 +50,21 @@ class _CodeInfo:
         while stack:
             c = stack.pop()
             ins = list(dis.get_instructions(c))
+            aliases: set[str] = set()  # locals bound to a value read from elsewhere
             for i, op in enumerate(ins):
                 name = op.opname
+                if name in _STORE_LOCAL and i and ins[i - 1].opname in _ALIAS_SOURCES:
+                    aliases.add(_stored(op))
+                elif (
+                    name == "BINARY_OP"
+                    and op.argrepr.endswith("=")
+                    and i + 1 < len(ins)
+                    and ins[i + 1].opname in _STORE_LOCAL
+                    and _stored(ins[i + 1]) in aliases
+                ):
+                    # `b += 1` on such a name: numpy adds into the array `b` is (a
+                    # captured one, maybe); on a tracer it rebinds `b` only.
+                    in_place = True
                 if name in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
                     names[op.argval] = None
                     if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
@@ -127,6 +142,29 @@ _IN_PLACE = frozenset(
         "fill_diagonal",
     }
 )
+
+
+# Instructions that leave a value read from elsewhere (a global, a closure cell, an
+# attribute, an item, the next item of a loop) for the next instruction to store.
+_ALIAS_SOURCES = frozenset(
+    {
+        "LOAD_GLOBAL",
+        "LOAD_DEREF",
+        "LOAD_CLASSDEREF",
+        "LOAD_FROM_DICT_OR_DEREF",
+        "LOAD_NAME",
+        "LOAD_ATTR",
+        "BINARY_SUBSCR",
+        "FOR_ITER",
+    }
+)
+# A store to a local name (3.13's superinstruction stores its first name, then loads).
+_STORE_LOCAL = frozenset({"STORE_FAST", "STORE_FAST_LOAD_FAST"})
+
+
+def _stored(op: dis.Instruction) -> str:
+    """The local name a `_STORE_LOCAL` instruction stores."""
+    return str(op.argval[0] if isinstance(op.argval, tuple) else op.argval)
 
 
 def _dropped_call(ins: list[dis.Instruction], i: int) -> bool:

@@ -299,39 +299,87 @@ class Same(Node):
 class Snap(Node):
     """A mutable value the walk cannot see into but can compare (a set, a deque, a
     bytearray, a numpy array of strings or one read as a value (`Walk.as_values`), a
-    Mapping that is not a dict: `os.environ`, a `ChainMap`): a copy, checked by
-    equality; `as_dict`: compared as `dict(v)`, its keys in order (a function may
-    iterate it, as a dict); `by_identity`: a deque of other values, compared item by
-    item by identity."""
+    Mapping that is not a dict: `os.environ`, a `ChainMap`, a `MappingProxyType`): a
+    copy, checked by equality; `as_dict`: compared as `dict(v)`, its keys in order (a
+    function may iterate it, as a dict). A deque or Mapping holding other values (a
+    queue of batches, a read-only view of functions) is compared item by item by
+    identity (`Held`)."""
 
-    __slots__ = ("as_dict", "by_identity", "copied", "type", "value")
+    __slots__ = ("as_dict", "copied", "held", "type", "value")
 
     def __init__(
         self,
         typ: type,
         value: Any,
         as_dict: bool = False,
-        by_identity: bool = False,
         copied: bool = False,
+        held: Held | None = None,
     ):
         self.type: Any = typ
         self.value = value
         self.as_dict = as_dict
-        self.by_identity = by_identity
         self.copied = copied  # a numpy array read as a value: traced on a copy (`Swap`)
+        self.held = held
 
     def equal(self, v: Any) -> bool:
         if type(v) is not self.type:
             return False
-        if self.by_identity:
-            old = self.value
-            return len(v) == len(old) and all(a is b for a, b in zip(v, old, strict=True))
+        if self.held is not None:
+            return self.match(v) is True
         if isinstance(v, np.ndarray):
             return same_array(v, self.value)
         if self.as_dict:
             d = dict(v)
             return bool(d == self.value) and list(d) == list(self.value)
         return bool(v == self.value)
+
+    def match(self, v: Any, traced: bool = False) -> bool | None:
+        """For a `held` Snap of `v`'s type: `Held.match` of its items (None as well when
+        a Mapping's keys changed)."""
+        assert self.held is not None
+        if self.as_dict:
+            d = dict(v)
+            return self.held.match(d.values(), traced) if list(d) == self.value else None
+        return self.held.match(v, traced)
+
+    def size(self) -> int:
+        return len(self.held.refs) if self.held is not None else len(self.value)
+
+
+class Held:
+    """The items of a container the walk does not see into, compared by identity
+    without keeping them alive (weakly where they allow it: the cache holds no user
+    arrays), and a numpy array among them by value too: numpy changes it in place,
+    and the trace took its contents as a constant (of a deque: of a copy, `Swap`)."""
+
+    __slots__ = ("arrays", "refs")
+
+    def __init__(self, items: Any):
+        self.refs: list[tuple[Any, bool]] = []
+        self.arrays: list[tuple[int, np.ndarray]] = []  # (position, a copy)
+        for i, x in enumerate(items):
+            try:
+                self.refs.append((weakref.ref(x), True))
+            except TypeError:  # an int, a str, a list: held (a number is no user array)
+                self.refs.append((x, False))
+            if isinstance(x, np.ndarray):
+                self.arrays.append((i, x.copy()))
+
+    def match(self, items: Any, traced: bool = False) -> bool | None:
+        """None: other items (by identity) or another number of them; else whether each
+        numpy array holds what it held. `traced`: just after the trace, when a deque's
+        numpy arrays are still the copies the trace read (compared by value only)."""
+        xs = list(items)
+        if len(xs) != len(self.refs):
+            return None
+        skip = {i for i, _ in self.arrays} if traced else set()
+        for i, (x, (ref, weak)) in enumerate(zip(xs, self.refs, strict=True)):
+            if i in skip:
+                if not isinstance(x, np.ndarray):
+                    return None
+            elif (ref() if weak else ref) is not x:
+                return None
+        return all(same_array(xs[i], old) for i, old in self.arrays)
 
 
 def same_array(v: np.ndarray, old: np.ndarray) -> bool:
@@ -501,7 +549,7 @@ def snapshot(value: Any) -> Snap | None:
         if isinstance(value, collections.deque):
             # Of arrays or objects (a queue of batches): which ones, in order, so that
             # one taken out (`popleft`, `queue.Queue.get`) is seen.
-            return Snap(t, copy.copy(value), by_identity=True)
+            return Snap(t, None, held=Held(value))
         return None
     if isinstance(value, collections.abc.Mapping) and not _is_pytree_node(value):
         # os.environ, a ChainMap, a MappingProxyType: compared as a dict of their items.
@@ -511,6 +559,11 @@ def snapshot(value: Any) -> Snap | None:
             return None
         if all(type(x) in _CONST_TYPES for x in items.values()):
             return Snap(t, items, as_dict=True)
+        if _is_library(t):
+            # Of functions, objects or arrays (a read-only view of a dict of helpers):
+            # the keys in order and each value by identity, a numpy array's contents
+            # too. (A Mapping class of the user's is walked as an object.)
+            return Snap(t, list(items), as_dict=True, held=Held(items.values()))
     return None
 
 

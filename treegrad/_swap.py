@@ -10,7 +10,9 @@ the function rebound become outputs to write back, values it changed itself
 
 from __future__ import annotations
 
+import collections
 import functools
+import gc
 import types
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +136,15 @@ class Swap:
                 self.originals[id(new)] = v
             return new
         if isinstance(node, Snap):
+            if node.held is not None and node.held.arrays and self.record:
+                # Its numpy arrays, by the same token: each traced on a copy, written
+                # where the container keeps it (`_slots`).
+                slots = _slots(v)
+                if slots is not None:
+                    for i, _ in node.held.arrays:
+                        where, key = slots[i]
+                        self._set_item(where, key, self._copy_of(where[key]))
+                return v
             if not (node.copied and self.record):
                 return v
             # A numpy array read as a value (`Walk.as_values`): the trace gets a copy of
@@ -141,10 +152,7 @@ class Swap:
             # array afterwards (`restore`). jax keys some of its caches on a constant's
             # identity: the user's array itself, changed in place since an earlier trace,
             # could be taken for the one that trace saw, and its old contents reused.
-            pair = self.copies.get(id(v))
-            if pair is None:
-                pair = self.copies[id(v)] = (v, v.copy())
-            return pair[1]
+            return self._copy_of(v)
         if isinstance(node, Seq):
             if isinstance(v, list):
                 for i, child in enumerate(node.items):
@@ -227,6 +235,13 @@ class Swap:
             return obj
         return v  # Const, Same, Unchecked, Alias: nothing to write
 
+    def _copy_of(self, user: np.ndarray) -> np.ndarray:
+        """The copy of a user's numpy array the trace reads (one per array)."""
+        pair = self.copies.get(id(user))
+        if pair is None:
+            pair = self.copies[id(user)] = (user, user.copy())
+        return pair[1]
+
     def _set_item(self, container: Any, key: Any, new: Any) -> None:
         old = container[key]
         if new is not old:
@@ -299,6 +314,22 @@ class Swap:
         return v
 
 
+def _slots(v: Any) -> list[tuple[Any, Any]] | None:
+    """Where each item of a container the walk does not see into is kept, as
+    (container, key), in the order `Held` numbers them: a deque's own slots; the dict
+    behind a `MappingProxyType` (its one referent, `gc.get_referents`); for a
+    `ChainMap`, the first of its dicts holding each key. None: another kind."""
+    if isinstance(v, collections.deque):
+        return [(v, i) for i in range(len(v))]
+    if type(v) is types.MappingProxyType:
+        inner = gc.get_referents(v)
+        if len(inner) == 1 and type(inner[0]) is dict:
+            return [(inner[0], k) for k in inner[0]]
+    elif type(v) is collections.ChainMap and all(type(m) is dict for m in v.maps):
+        return [(next(m for m in v.maps if k in m), k) for k in dict(v)]
+    return None
+
+
 def _copy_back(user: np.ndarray, copy: np.ndarray) -> None:
     """What the function wrote into the copy of a numpy array, into the user's array."""
     if same_array(copy, user):
@@ -332,7 +363,11 @@ def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
     if _at(container, key) is new:
         container[key] = old
         return
-    keys = range(len(container)) if isinstance(container, list) else list(container)
+    keys = (
+        range(len(container))
+        if isinstance(container, (list, collections.deque))
+        else list(container)
+    )
     for k in keys:
         if _at(container, k) is new:
             container[k] = old
@@ -555,6 +590,15 @@ class Settle:
         if isinstance(node, Snap):
             if node.equal(v):
                 return node
+            if node.held is not None and type(v) is node.type:
+                same = node.match(v, traced=True)
+                if same is not None:
+                    # The same items; a numpy array among them changed in place (by
+                    # the function, in its copy): read anew on the next call.
+                    if not same:
+                        self.wrote = True
+                        self.cacheable = False
+                    return node
             if isinstance(node.value, np.ndarray) and type(v) is node.type:
                 # A numpy array read as a value (`Walk.as_values`) that the function
                 # changed in place (`order.sort()`): it reads the new contents on the
@@ -562,7 +606,7 @@ class Settle:
                 self.wrote = True
                 self.cacheable = False
                 return node
-            if type(v) is node.type and len(v) < len(node.value):
+            if type(v) is node.type and len(v) < node.size():
                 self._took(v)
             return self._demote(node, v)
         if isinstance(node, Same):

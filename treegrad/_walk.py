@@ -122,6 +122,7 @@ class Walk:
         # an iterator of batches): a trace that draws from one is not reused (`_draws`).
         self.consumed: list[Any] = []
         self.numpy_seen = False  # a module of numpy reached: `np.random.rand` may be read
+        self.labels: dict[int, str] = {}  # readable paths of absolute roots (`_held`)
 
     def root(self, value: Any) -> Node:
         """The function being compiled: walked even when a library defined it (a closure
@@ -139,6 +140,24 @@ class Walk:
                 self.absolute.setdefault(id(fn), fn)
         elif _user_callable(fn):
             self.absolute.setdefault(id(fn), fn)
+
+    def _held(self, items: dict[Any, Any], path: str) -> None:
+        """The values of a container the walk does not see into (`Held`: compared by
+        identity), that can change without being replaced: a function (a queue of
+        callbacks, a read-only view of helpers), a container or an object. Each is
+        walked as a root of its own, so what it holds and reads is checked too."""
+        for key, x in items.items():
+            if type(x) in _CONST_TYPES or is_array(x) or isinstance(x, np.generic):
+                continue
+            if type(x) is types.FunctionType or _user_callable(x):
+                self.fixed(x)
+            elif isinstance(x, (list, dict)) or (
+                not isinstance(x, (type, types.ModuleType))
+                and not _is_library(type(x))
+                and (has_instance_dict(x) or slot_names(type(x)))
+            ):
+                self.labels[id(x)] = f"{path}[{key!r}]"
+                self.absolute.setdefault(id(x), x)
 
     def finish(self, roots: list[Node]) -> list[Node]:
         """Walk the classes, modules and functions met on the way; number the places.
@@ -160,7 +179,8 @@ class Walk:
                     nodes[key] = Fixed(Same(obj), self._function(obj, describe(obj)))
                     continue
                 if not isinstance(obj, (type, types.ModuleType)):  # a held callable
-                    nodes[key] = Fixed(Same(obj), self.node(obj, describe(obj)))
+                    label = self.labels.get(key) or describe(obj)
+                    nodes[key] = Fixed(Same(obj), self.node(obj, label))
                     continue
                 attrs = Attrs(Same(obj), [])
                 nodes[key] = attrs
@@ -399,6 +419,8 @@ class Walk:
             self._note_keys(value)
         snap = snapshot(value)
         if snap is not None:
+            if snap.held is not None:
+                self._held(dict(value) if snap.as_dict else dict(enumerate(value)), path)
             return snap
         if isinstance(value, threading.local):
             # Its instance dict is the calling thread's: read afresh on each call.
