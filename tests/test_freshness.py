@@ -306,6 +306,9 @@ def _random_case(rng: random.Random, k: int):
                 "method",
                 "helper",
                 "jitted",
+                "by-name",
+                "class-by-name",
+                "held",
             ]
         )
         name = f"x{i}"
@@ -370,6 +373,20 @@ def _random_case(rng: random.Random, k: int):
             prelude.append(f"def helper{i}(): return {name}_val")
             reads.append(f"helper{i}()")
             setters.append(lambda v, name=name: ns.__setitem__(f"{name}_val", v))
+        elif route == "by-name":  # a global read by a name in a string
+            ns[name] = 1.0
+            reads.append(f"globals()[{name!r}]")
+            setters.append(lambda v, name=name: ns.__setitem__(name, v))
+        elif route == "class-by-name":
+            cls = type(f"N{i}", (), {"v": 1.0})
+            ns[name] = cls
+            reads.append(f"getattr({name}, 'v')")
+            setters.append(lambda v, cls=cls: setattr(cls, "v", v))
+        elif route == "held":  # a list inside a deque or a read-only view
+            inner = [1.0]
+            ns[name] = rng.choice([collections.deque([inner]), types.MappingProxyType({0: inner})])
+            reads.append(f"{name}[0][0]")
+            setters.append(lambda v, inner=inner: inner.__setitem__(0, v))
         else:  # a jax.jit helper whose global changes
             ns[f"{name}_val"] = jnp.asarray(1.0)
             prelude.append(f"helper{i} = jax.jit(lambda: {name}_val * 1.0)")
@@ -632,6 +649,9 @@ def _held_cases():
     lst, d, o = [2.0], {"s": 2.0}, _HeldScale(2.0)
     npl = [np.array(2.0)]
     jxl = [jnp.array(2.0)]
+    tl, dq, under, st = [2.0], collections.deque([2.0]), {"s": 2.0}, {2.0}
+    ns = types.SimpleNamespace(s=2.0)
+    cm = collections.ChainMap({"s": 2.0})
 
     def set_global():
         global _HELD_SCALE
@@ -644,6 +664,16 @@ def _held_cases():
         "a numpy array in a list": (npl, lambda x: x[0], lambda: npl[0].__iadd__(3.0)),
         "a jax array in a list": (jxl, lambda x: x[0], lambda: jxl.__setitem__(0, 5.0)),
         "a helper reading a global": (_held_helper, lambda x: x(1.0) / jnp.sin(1.0), set_global),
+        "a tuple holding a list": ((tl,), lambda x: x[0][0], lambda: tl.__setitem__(0, 5.0)),
+        "a deque": (dq, lambda x: x[0], lambda: dq.__setitem__(0, 5.0)),
+        "a MappingProxyType": (
+            types.MappingProxyType(under),
+            lambda x: x["s"],
+            lambda: under.__setitem__("s", 5.0),
+        ),
+        "a SimpleNamespace": (ns, lambda x: x.s, lambda: setattr(ns, "s", 5.0)),
+        "a ChainMap": (cm, lambda x: x["s"], lambda: cm.__setitem__("s", 5.0)),
+        "a set": (st, lambda x: max(x), lambda: (st.clear(), st.add(5.0))),
     }
 
 
@@ -682,6 +712,85 @@ def test_function_replaced_in_a_container_the_walk_does_not_see_into(box):
     else:
         d["act"] = jnp.cos
     np.testing.assert_allclose(check(f), -jnp.sin(w), rtol=1e-6)
+
+
+_BY_NAME_ROUTES = {
+    "globals()[...]": "lambda v: jnp.sum(v) * globals()['s']",
+    "globals().get": "lambda v: jnp.sum(v) * globals().get('s', 0.0)",
+    "eval": "lambda v: jnp.sum(v) * eval('s * 1.0')",
+    "exec": "lambda v: jnp.sum(v) * (exec('r = s', globals(), d := {}) or d['r'])",
+    "frame f_globals": "lambda v: jnp.sum(v) * sys._getframe().f_globals['s']",
+    "own __globals__": "lambda v: jnp.sum(v) * helper.__globals__['s']",
+    "getattr(module, 's')": "lambda v: jnp.sum(v) * getattr(mod, 's')",
+    "vars(module)": "lambda v: jnp.sum(v) * vars(mod)['s']",
+    "module.__dict__": "lambda v: jnp.sum(v) * mod.__dict__['s']",
+    "getattr(module, computed)": "lambda v: jnp.sum(v) * getattr(mod, ''.join(['s']))",
+    "sys.modules[...].__dict__": "lambda v: jnp.sum(v) * sys.modules[mod.__name__].__dict__['s']",
+}
+
+
+@pytest.mark.parametrize("route", list(_BY_NAME_ROUTES))
+def test_a_global_or_module_attribute_read_by_a_name_in_a_string(route, monkeypatch):
+    """A global read through `globals()`, `eval`, `exec` or a frame's `f_globals`, and a
+    user module's attribute read through `getattr`, `vars` or `__dict__`, was checked
+    only when the code named it (each of these returned 2 after it became 5): the
+    global names the code's strings spell are read too, and a user module's
+    attributes by the names in its strings, or all of them for a computed name."""
+    mod = types.ModuleType(f"user_cfg_{abs(hash(route))}")
+    mod.s = 2.0
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    ns = {"jnp": jnp, "sys": sys, "mod": mod, "s": 2.0, "__name__": "fresh_by_name"}
+    exec("def helper(): pass", ns)
+    f, traces = traced(eval(_BY_NAME_ROUTES[route], ns))
+    np.testing.assert_allclose(check(f), [2.0, 2.0, 2.0])
+    n = len(traces)
+    np.testing.assert_allclose(tg.gradient(f, w)[0], [2.0, 2.0, 2.0])
+    assert len(traces) == n  # nothing changed: not traced again
+    ns["s"] = mod.s = 5.0
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+
+
+class _ByNameBase:
+    s = 2.0
+
+    def scale(self):
+        return getattr(type(self), "s")  # noqa: B009 -- the route under test
+
+
+class _ByName(_ByNameBase):
+    pass
+
+
+_CLASS_BY_NAME_ROUTES = {
+    "getattr(cls, 's')": lambda c, o, name: getattr(c, "s"),  # noqa: B009 -- the route
+    "getattr(obj, 's')": lambda c, o, name: getattr(o, "s"),  # noqa: B009 -- the route
+    "vars(cls)['s']": lambda c, o, name: vars(c).get("s", _ByNameBase.__dict__["s"]),
+    "cls.__dict__": lambda c, o, name: {**_ByNameBase.__dict__, **c.__dict__}["s"],
+    "a method's getattr(type(self), 's')": lambda c, o, name: o.scale(),
+    "getattr(cls, computed)": lambda c, o, name: getattr(c, name),
+    "operator.attrgetter": lambda c, o, name: operator.attrgetter("s")(c),
+}
+
+
+@pytest.mark.parametrize("route", list(_CLASS_BY_NAME_ROUTES))
+@pytest.mark.parametrize("change", ["the class's", "a subclass's, shadowing it"])
+def test_a_class_attribute_read_by_a_name_in_a_string(route, change, monkeypatch):
+    """A class attribute read by a name in a string (or computed) was checked only when
+    the code named it as an attribute: each of these returned 2 after it became 5, on
+    the class that holds it or set on a subclass over it."""
+    monkeypatch.setattr(_ByNameBase, "s", 2.0)
+    read = _CLASS_BY_NAME_ROUTES[route]
+    obj, name = _ByName(), "".join(["s"])
+    f, traces = traced(lambda v: jnp.sum(v) * read(_ByName, obj, name))
+    np.testing.assert_allclose(check(f), [2.0, 2.0, 2.0])
+    n = len(traces)
+    np.testing.assert_allclose(tg.gradient(f, w)[0], [2.0, 2.0, 2.0])
+    assert len(traces) == n  # nothing changed: not traced again
+    if change == "the class's":
+        _ByNameBase.s = 5.0
+    else:
+        monkeypatch.setattr(_ByName, "s", 5.0, raising=False)
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
 
 
 class _Cfg:

@@ -744,6 +744,16 @@ STDLIB_CONTAINERS = {
         lambda c: c[0],
         lambda c: c.__setitem__(0, 5.0),
     ),
+    "memoryview of numpy": (
+        lambda: memoryview(np.array([2.0])),
+        lambda c: np.asarray(c)[0],
+        lambda c: np.asarray(c).__setitem__(0, 5.0),
+    ),
+    "memoryview of bytearray": (
+        lambda: memoryview(bytearray(b"\x02")),
+        lambda c: c[0],
+        lambda c: c.__setitem__(0, 5),
+    ),
     "Counter": (lambda: collections.Counter(a=2), lambda c: c["a"], lambda c: c.update(a=3)),
     "ChainMap": (
         lambda: collections.ChainMap({}, {"k": 2.0}),

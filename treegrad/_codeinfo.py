@@ -45,7 +45,8 @@ class _CodeInfo:
         names: dict[str, None] = {}
         attrs: set[str] = set()
         reads: set[str] = set()
-        dynamic = in_place = False
+        dynamic = in_place = by_global_name = False
+        words: set[str] = set()  # the identifiers its string constants spell
         stack = [code]
         while stack:
             c = stack.pop()
@@ -67,12 +68,14 @@ class _CodeInfo:
                     in_place = True
                 if name in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
                     names[op.argval] = None
+                    by_global_name = by_global_name or op.argval in _READS_GLOBALS_BY_NAME
                     if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
                         dynamic = True
                     dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
                 elif name in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR", "DELETE_ATTR"):
                     attrs.add(op.argval)
                     reads.add(op.argval)
+                    by_global_name = by_global_name or op.argval in _READS_GLOBALS_BY_NAME
                     if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
                         dynamic = True
                     dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
@@ -86,10 +89,15 @@ class _CodeInfo:
                 if isinstance(k, types.CodeType):
                     stack.append(k)
                 elif isinstance(k, str):
+                    words.update(_IDENTIFIER.findall(k))
                     if all(part.isidentifier() for part in k.split(".")):
                         reads.update(k.split("."))
                     elif "{" in k:  # a format string: "{0.scale}".format(cfg)
                         reads.update(_FORMAT_ATTRIBUTE.findall(k))
+        if by_global_name:
+            # `globals()["s"]`, `eval("s * 2")`, `fn.__globals__["s"]`: the global
+            # names its strings spell are read too.
+            names.update(dict.fromkeys(sorted(words - names.keys())))
         self.globals = tuple(names)
         self.attrs = frozenset(attrs)
         self.reads = frozenset(reads)
@@ -97,6 +105,9 @@ class _CodeInfo:
         self.in_place = in_place
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+# Names whose use reads the function's globals by a name its code spells as a string.
+_READS_GLOBALS_BY_NAME = frozenset({"globals", "eval", "exec", "f_globals", "__globals__"})
 _FORMAT_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)(?=[^{}]*\})")
 # Functions that read an attribute by name: by a constant name they read that name
 # (a string constant, in `reads`); by any other, every attribute may be read.

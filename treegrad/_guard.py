@@ -326,6 +326,8 @@ class Snap(Node):
             return False
         if self.held is not None:
             return self.match(v) is True
+        if self.type is memoryview:
+            return _memory(v) == self.value
         if isinstance(v, np.ndarray):
             return same_array(v, self.value)
         if self.as_dict:
@@ -380,6 +382,15 @@ class Held:
             elif (ref() if weak else ref) is not x:
                 return None
         return all(same_array(xs[i], old) for i, old in self.arrays)
+
+
+def _memory(v: memoryview) -> tuple[Any, ...] | None:
+    """What a memoryview shows (None once released): the memory it views (a numpy
+    array's, a bytearray's) may change in place under the same view."""
+    try:
+        return (v.format, v.shape, v.tobytes())
+    except ValueError:  # released
+        return None
 
 
 def same_array(v: np.ndarray, old: np.ndarray) -> bool:
@@ -543,6 +554,9 @@ def snapshot(value: Any) -> Snap | None:
         if value.dtype.kind == "O" and not all(type(x) in _CONST_TYPES for x in value.flat):
             return None
         return Snap(t, value.copy())
+    if t is memoryview:
+        shown = _memory(value)
+        return None if shown is None else Snap(t, shown)
     if isinstance(value, _SNAP_TYPES):
         if all(type(x) in _CONST_TYPES for x in value):
             return Snap(t, copy.copy(value))
@@ -559,10 +573,10 @@ def snapshot(value: Any) -> Snap | None:
             return None
         if all(type(x) in _CONST_TYPES for x in items.values()):
             return Snap(t, items, as_dict=True)
-        if _is_library(t):
+        if t is types.MappingProxyType or t is collections.ChainMap:
             # Of functions, objects or arrays (a read-only view of a dict of helpers):
             # the keys in order and each value by identity, a numpy array's contents
-            # too. (A Mapping class of the user's is walked as an object.)
+            # too. (Other Mappings are walked as objects: a ConfigParser's sections.)
             return Snap(t, list(items), as_dict=True, held=Held(items.values()))
     return None
 

@@ -318,7 +318,8 @@ def _slots(v: Any) -> list[tuple[Any, Any]] | None:
     """Where each item of a container the walk does not see into is kept, as
     (container, key), in the order `Held` numbers them: a deque's own slots; the dict
     behind a `MappingProxyType` (its one referent, `gc.get_referents`); for a
-    `ChainMap`, the first of its dicts holding each key. None: another kind."""
+    `ChainMap`, the first of its dicts holding each key. None: another kind (a view
+    of another Mapping)."""
     if isinstance(v, collections.deque):
         return [(v, i) for i in range(len(v))]
     if type(v) is types.MappingProxyType:
@@ -599,10 +600,13 @@ class Settle:
                         self.wrote = True
                         self.cacheable = False
                     return node
-            if isinstance(node.value, np.ndarray) and type(v) is node.type:
-                # A numpy array read as a value (`Walk.as_values`) that the function
-                # changed in place (`order.sort()`): it reads the new contents on the
-                # next call, as uncompiled, so this trace is not reused.
+            if type(v) is node.type and (
+                isinstance(node.value, np.ndarray) or node.type is memoryview
+            ):
+                # A numpy array read as a value (`Walk.as_values`), or the memory a
+                # memoryview shows, that the function changed in place (`order.sort()`,
+                # `view[0] = 1`): it reads the new contents on the next call, as
+                # uncompiled, so this trace is not reused.
                 self.wrote = True
                 self.cacheable = False
                 return node

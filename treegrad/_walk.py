@@ -143,19 +143,17 @@ class Walk:
 
     def _held(self, items: dict[Any, Any], path: str) -> None:
         """The values of a container the walk does not see into (`Held`: compared by
-        identity), that can change without being replaced: a function (a queue of
+        identity), which can change without being replaced: a function (a queue of
         callbacks, a read-only view of helpers), a container or an object. Each is
         walked as a root of its own, so what it holds and reads is checked too."""
         for key, x in items.items():
             if type(x) in _CONST_TYPES or is_array(x) or isinstance(x, np.generic):
                 continue
-            if type(x) is types.FunctionType or _user_callable(x):
+            if type(x) is types.FunctionType:
                 self.fixed(x)
-            elif isinstance(x, (list, dict)) or (
-                not isinstance(x, (type, types.ModuleType))
-                and not _is_library(type(x))
-                and (has_instance_dict(x) or slot_names(type(x)))
-            ):
+            elif isinstance(x, (type, types.ModuleType)):
+                self.node(x, f"{path}[{key!r}]")  # its attributes, by the names read
+            else:
                 self.labels[id(x)] = f"{path}[{key!r}]"
                 self.absolute.setdefault(id(x), x)
 
@@ -200,7 +198,7 @@ class Walk:
                     continue
                 obj = self.absolute[key]
                 for name, value in list(vars(obj).items()):
-                    if name in done[key] or name not in self.attr_names:
+                    if name in done[key] or not self._reads(obj, name):
                         continue
                     if name in _SKIP_CLASS_ATTRS or type(value) in _SKIPPED_DESCRIPTORS:
                         continue
@@ -236,6 +234,19 @@ class Walk:
             a.place = i
         return absolute
 
+    def _reads(self, obj: Any, name: str) -> bool:
+        """Whether the walked code may read attribute `name` of a class or module: one it
+        names (`C.s`); of a user class or module, also one named by a string
+        (`getattr(C, "s")`, `vars(mod)["s"]`, `C.__dict__["s"]`), or any when a name is
+        computed at run time (`getattr(C, name)`)."""
+        if name in self.attr_names:
+            return True
+        if isinstance(obj, type):
+            user = not _is_library(obj)
+        else:
+            user = type(obj) is types.ModuleType and not is_library_module(obj.__name__)
+        return user and (self.dynamic or name in self.read_names)
+
     def _absences(self, nodes: dict[int, Node]) -> None:
         """For each class walked: the names the code reads that a class after it in
         its MRO, or its metaclass, defines, checked to stay absent from it; assigned
@@ -248,7 +259,10 @@ class Walk:
                 vars(k) for k in (*cls.__mro__[1:], *inspect.getmro(type(cls))) if id(k) in nodes
             ]
             own = vars(cls)
-            for name in sorted(self.attr_names):
+            names = self.attr_names | self.read_names
+            if self.dynamic:
+                names = names.union(*related)
+            for name in sorted(n for n in names if self._reads(cls, n)):
                 if (
                     name not in own
                     and name not in _SKIP_CLASS_ATTRS
