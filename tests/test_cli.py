@@ -1,4 +1,4 @@
-"""The command line: the main job, argument checks, the benchmark smoke run and its plot."""
+"""The command line: the main job, argument checks, the benchmark run and its plot."""
 
 import json
 import re
@@ -25,27 +25,6 @@ def test_demo_quick_agrees_and_writes_plot(tmp_path, capsys):
     ]
     assert len(accuracy) == 2 and min(accuracy) > 0.8
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.slow  # 10.7 s on a quiet 2-core machine: compiles every system and the anchors
-def test_bench_smoke_prints_every_column(capsys):
-    assert _bench.main(steps=2, repeats=1, sizes=["tiny"], first_call_leaves=(3,)) == 0
-    out = capsys.readouterr().out
-    for name in (
-        "jax.jit fused (hand-written)",
-        "jax two-call (hand-written)",
-        "jax.jit fused, tg Modules (hand)",
-        "tg.jit step",
-        "tg.jit implicit step",
-        "tg naive loop",
-        "tg implicit loop",
-    ):
-        assert name in out
-    assert "vs fused" in out and "vs two-call" in out
-    assert "traces of the loss: naive loop 1, implicit loop 1" in out
-    assert "first call" in out
-    assert "per-call overhead breakdown" in out and "its compiled program alone" in out
-    assert re.search(r"3 leaves: jax.jit\(jax.grad\) [0-9.]+s, tg.gradient [0-9.]+s \(ratio", out)
 
 
 def test_cli_size_names_are_the_benchmark_sizes():
@@ -248,23 +227,29 @@ def test_a_failed_benchmark_process_names_itself_and_shows_its_error(monkeypatch
         _bench.measure_processes("tiny", steps=1, repeats=1, processes=2)
 
 
-@pytest.mark.slow  # two fresh processes, each compiling every system: ~30 s
-def test_bench_in_processes_end_to_end(capsys):
-    argv = [
-        "bench",
-        "--sizes",
-        "tiny",
-        "--steps",
-        "2",
-        "--repeats",
-        "1",
-        "--processes",
-        "2",
-        "--first-call=",
-    ]
-    code = _cli.main(argv)
+@pytest.mark.slow  # two fresh processes, each compiling every system and the anchors: ~30 s
+def test_bench_in_processes_end_to_end_prints_every_column(capsys):
+    """The documented benchmark command, small: every system's row and column, the trace
+    counts, the first calls and the per-call breakdown (measured in this process)."""
+    argv = ["bench", "--sizes", "tiny", "--steps", "2", "--repeats", "1", "--processes", "2"]
+    code = _cli.main([*argv, "--first-call", "3"])
     assert code == 0
     out = capsys.readouterr().out
     assert "2 processes of 1 repetitions: medians across processes" in out
     assert "tiny: process 2/2" in out
     assert next(r for r in out.splitlines() if r.startswith(_bench.CONTROL))
+    for name in (
+        "jax.jit fused (hand-written)",
+        "jax two-call (hand-written)",
+        "jax.jit fused, tg Modules (hand)",
+        "tg.jit step",
+        "tg.jit implicit step",
+        "tg naive loop",
+        "tg implicit loop",
+    ):
+        assert name in out
+    assert "vs fused" in out and "vs two-call" in out
+    assert "traces of the loss: naive loop 1, implicit loop 1" in out
+    assert "first call" in out
+    assert "per-call overhead breakdown" in out and "its compiled program alone" in out
+    assert re.search(r"3 leaves: jax.jit\(jax.grad\) [0-9.]+s, tg.gradient [0-9.]+s \(ratio", out)
