@@ -721,6 +721,8 @@ _BY_NAME_ROUTES = {
     "exec": "lambda v: jnp.sum(v) * (exec('r = s', globals(), d := {}) or d['r'])",
     "frame f_globals": "lambda v: jnp.sum(v) * sys._getframe().f_globals['s']",
     "own __globals__": "lambda v: jnp.sum(v) * helper.__globals__['s']",
+    "globals()[computed]": "lambda v: jnp.sum(v) * globals()[chr(115)]",
+    "eval(computed)": "lambda v: jnp.sum(v) * eval(chr(115))",
     "getattr(module, 's')": "lambda v: jnp.sum(v) * getattr(mod, 's')",
     "vars(module)": "lambda v: jnp.sum(v) * vars(mod)['s']",
     "module.__dict__": "lambda v: jnp.sum(v) * mod.__dict__['s']",
@@ -734,8 +736,9 @@ def test_a_global_or_module_attribute_read_by_a_name_in_a_string(route, monkeypa
     """A global read through `globals()`, `eval`, `exec` or a frame's `f_globals`, and a
     user module's attribute read through `getattr`, `vars` or `__dict__`, was checked
     only when the code named it (each of these returned 2 after it became 5): the
-    global names the code's strings spell are read too, and a user module's
-    attributes by the names in its strings, or all of them for a computed name."""
+    global names the code's strings spell are read too, and every other global of
+    its module (`chr(115)` spells no string); a user module's attributes by the
+    names in its strings, or all of them for a computed name."""
     mod = types.ModuleType(f"user_cfg_{abs(hash(route))}")
     mod.s = 2.0
     monkeypatch.setitem(sys.modules, mod.__name__, mod)

@@ -32,6 +32,8 @@ class _CodeInfo:
     `dynamic`: it may read an attribute by a name computed at run time
     (`getattr(o, name)`, `vars(o)`, `o.__dict__`, `dataclasses.asdict`...), so
     every instance attribute of the objects it reaches counts as read.
+    `all_globals`: it reads its globals by name (`globals()`, `eval`, `exec`, a
+    frame's `f_globals`), so any of them may be read.
     `in_place`: it calls one of numpy's in-place methods and drops the result
     (`order.sort()`, `np.random.shuffle(order)`, `buf.fill(0)`), or applies an
     in-place operator to a local name bound to a value it read from elsewhere
@@ -39,7 +41,7 @@ class _CodeInfo:
     a jax tracer cannot stand in for (`_walk.Walk.as_values`).
     """
 
-    __slots__ = ("attrs", "dynamic", "globals", "in_place", "reads")
+    __slots__ = ("all_globals", "attrs", "dynamic", "globals", "in_place", "reads")
 
     def __init__(self, code: types.CodeType):
         names: dict[str, None] = {}
@@ -96,8 +98,10 @@ class _CodeInfo:
                         reads.update(_FORMAT_ATTRIBUTE.findall(k))
         if by_global_name:
             # `globals()["s"]`, `eval("s * 2")`, `fn.__globals__["s"]`: the global
-            # names its strings spell are read too.
+            # names its strings spell are read too, and any other by a name computed
+            # at run time (`all_globals`, `_walk`).
             names.update(dict.fromkeys(sorted(words - names.keys())))
+        self.all_globals = by_global_name
         self.globals = tuple(names)
         self.attrs = frozenset(attrs)
         self.reads = frozenset(reads)

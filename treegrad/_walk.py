@@ -479,6 +479,18 @@ class Walk:
         for name in info.globals:
             value = g.get(name, MISSING)
             node.globals.append((name, None if value is MISSING else self.node(value, name)))
+        if info.all_globals:
+            # A name computed at run time (`globals()[name]`): every other global of
+            # its module is checked too; a function, class or module by identity (a
+            # walk of each would reach the whole program).
+            named = set(info.globals)
+            for name, value in list(g.items()):
+                if name in named or name.startswith("__"):
+                    continue
+                if isinstance(value, (types.FunctionType, type, types.ModuleType)):
+                    node.globals.append((name, Same(value)))
+                else:
+                    node.globals.append((name, self.node(value, name)))
         if fn.__defaults__ is not None:
             node.defaults = self.node(fn.__defaults__, f"{path} defaults")
         if fn.__kwdefaults__ is not None:
