@@ -731,7 +731,15 @@ _BY_NAME_ROUTES = {
 }
 
 
-@pytest.mark.parametrize("route", list(_BY_NAME_ROUTES))
+@pytest.mark.parametrize(
+    "route",
+    [
+        # Every user module in sys.modules is walked there (`__dict__`: any attribute
+        # may be read): over 1 s in a test run, which has imported all of them.
+        pytest.param(r, marks=pytest.mark.slow) if r.startswith("sys.modules") else r
+        for r in _BY_NAME_ROUTES
+    ],
+)
 def test_a_global_or_module_attribute_read_by_a_name_in_a_string(route, monkeypatch):
     """A global read through `globals()`, `eval`, `exec` or a frame's `f_globals`, and a
     user module's attribute read through `getattr`, `vars` or `__dict__`, was checked

@@ -754,6 +754,11 @@ STDLIB_CONTAINERS = {
         lambda c: c[0],
         lambda c: c.__setitem__(0, 5),
     ),
+    "Enum member's list value": (
+        lambda: enum.Enum("TgHuntFreshE", [("A", [2.0])]),
+        lambda c: c.A.value[0],
+        lambda c: c.A.value.__setitem__(0, 5.0),
+    ),
     "Counter": (lambda: collections.Counter(a=2), lambda c: c["a"], lambda c: c.update(a=3)),
     "ChainMap": (
         lambda: collections.ChainMap({}, {"k": 2.0}),

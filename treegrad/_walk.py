@@ -411,6 +411,8 @@ class Walk:
                 self._library(value)
             return Same(value)
         if isinstance(value, enum.Enum):
+            # A member's value may be mutable (`A = [2.0]`): walked as a root of its own.
+            self._held({"value": value._value_}, path)
             return Same(value)
         if _is_pytree_node(value):
             try:
