@@ -72,3 +72,22 @@ def test_reached_finds_gradients_that_depend_on_the_cotangent():
 
     closed = _traced(program, jnp.ones(2), jnp.ones(2), jnp.ones(2), jnp.ones(()))
     assert _jaxpr.reached(closed, [3]) == {0, 2}  # b is unused; c is used (times zero)
+
+
+def test_jax_reuses_a_traced_body_by_identity_until_forget_bodies():
+    # What `forget_bodies` works around: a scan body (or cond branch) that reads a
+    # global array is traced once and reused with that array as a constant, even
+    # by plain, uncompiled calls.
+    held = {"w": jnp.full(3, 2.0)}
+
+    def body(c, x):
+        return c + jnp.sum(x * held["w"]), None
+
+    def run():
+        return float(jax.lax.scan(body, 0.0, jnp.ones((2, 3)))[0])
+
+    assert run() == 12.0
+    held["w"] = jnp.full(3, 3.0)
+    assert run() == 12.0  # jax's memo: the old array
+    _jaxpr.forget_bodies()
+    assert run() == 18.0

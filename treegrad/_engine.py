@@ -51,7 +51,7 @@ from ._paths import get_at, put_at
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
 from ._swap import Swap, holders
 from ._tree import describe_leaf, is_inexact, picker
-from ._walk import Walk, node_types, static_callables
+from ._walk import Walk, is_plain_object, node_types, static_callables
 
 # --- step 3: one compiled program per entry ----------------------------------------
 
@@ -617,6 +617,10 @@ def _walk(call: Call, params: Sequence[Any] | None = None) -> tuple[Walk, list[A
                 walk._absolute(cls)
         for s in call.a_statics or ():
             walk.fixed(s)
+            if is_plain_object(s):
+                # An argument jax takes for one leaf (a config object): keyed by identity,
+                # so its attributes the function reads are checked, as a captured one's.
+                walk.held(s, "an argument")
         for fn in static_callables(call.a_def):
             walk.fixed(fn)
         absolute = walk.finish(roots)

@@ -8,6 +8,9 @@ When the engine compiles a function it traces it once with `jax.jit(...).trace`
 - which constants the trace closed over, so an array captured where the guard
   walk could not see it (and so could go stale) is found and reported.
 
+It also empties jax's memo of traced function bodies (`forget_bodies`), which
+no public API reaches without dropping every compiled program.
+
 `tests/test_jaxpr.py` pins each of these behaviours and fails loudly if a JAX
 upgrade changes them. They hold on jax 0.10 to 0.12: from 0.11 on,
 `ClosedJaxpr` is an alias of `Jaxpr` that keeps the old attributes (`.jaxpr`,
@@ -25,6 +28,34 @@ import numpy as np
 from jax.extend import core as jex
 
 _JAXPR_TYPES = tuple({jex.ClosedJaxpr, jex.Jaxpr})
+
+
+def _body_memos() -> list[Any]:
+    """jax's memos of traced bodies: a `lax.cond` branch, a `scan`, `while_loop` or
+    `fori_loop` body (`trace_to_jaxpr`), a `jax.checkpoint`-ed function. Each is
+    keyed on the function object and the input types only, with the arrays the body
+    read from elsewhere (a global model, a closure) kept as its constants."""
+    from jax._src import ad_checkpoint
+    from jax._src.interpreters import partial_eval
+
+    return [partial_eval.trace_to_jaxpr, ad_checkpoint._trace_to_jaxpr]
+
+
+_BODY_MEMOS = _body_memos()
+
+
+def forget_bodies() -> None:
+    """Empty jax's memos of traced bodies, before and after the engine runs a user's
+    function on tracers put in the user's own places.
+
+    Before: a body a plain call traced holds the arrays it read then as constants,
+    so reusing it would give the old values (and hide a parameter from the
+    gradient). After: a body traced now holds the engine's tracers, and the next
+    plain call of the user's function would reuse them (`UnexpectedTracerError`).
+    Compiled programs are kept (unlike `jax.clear_caches`): only traced bodies go.
+    """
+    for memo in _BODY_MEMOS:
+        memo.cache_clear()
 
 
 def is_tracer(x: Any) -> bool:

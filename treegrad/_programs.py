@@ -17,7 +17,7 @@ import numpy as np
 from . import _guard as G
 from . import _jaxpr
 from ._draws import Draws
-from ._jaxpr import is_tracer
+from ._jaxpr import forget_bodies, is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
 from ._swap import Settle, Swap, Unsettled
@@ -94,6 +94,9 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
         try:
             args = entry.args(vals)
             draws = Draws(entry.consumed)
+            # jax reuses a body (a scan's, a cond branch) it traced before by the
+            # function's identity, with what it read then: not this run's tracers.
+            forget_bodies()
             try:
                 if entry.program == CALL:
                     pos, kw = args
@@ -104,6 +107,8 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                     out = fns[0](*args)
             except _TRACE_ERRORS as e:
                 raise _traced_value_error(entry, e) from e
+            finally:
+                forget_bodies()  # bodies holding this run's tracers
             drew = draws.changed()
             if drew:
                 # Compiled, this trace's draw would be repeated on every call.

@@ -89,6 +89,11 @@ _SKIP_CLASS_ATTRS = frozenset(
 )
 
 
+_DICT_VIEWS: tuple[type, ...] = (type({}.keys()), type({}.values()), type({}.items()))
+# What functools.wraps sets on a wrapper: read by libraries, not by the user's code.
+_WRAPPER_ATTRS = frozenset({"__wrapped__", "__signature__", "__annotations__", "__type_params__"})
+
+
 class Walk:
     """Builds the node tree of one or more roots; numbers the array places."""
 
@@ -141,6 +146,12 @@ class Walk:
         elif _user_callable(fn):
             self.absolute.setdefault(id(fn), fn)
 
+    def held(self, obj: Any, label: str) -> None:
+        """Also guard `obj` (an object, a dict) as a root of its own: what it holds and,
+        for an object, its attributes the walked code reads."""
+        self.labels[id(obj)] = label
+        self.absolute.setdefault(id(obj), obj)
+
     def _held(self, items: dict[Any, Any], path: str) -> None:
         """The values of a container the walk does not see into (`Held`: compared by
         identity), which can change without being replaced: a function (a queue of
@@ -154,8 +165,7 @@ class Walk:
             elif isinstance(x, (type, types.ModuleType)):
                 self.node(x, f"{path}[{key!r}]")  # its attributes, by the names read
             else:
-                self.labels[id(x)] = f"{path}[{key!r}]"
-                self.absolute.setdefault(id(x), x)
+                self.held(x, f"{path}[{key!r}]")
 
     def finish(self, roots: list[Node]) -> list[Node]:
         """Walk the classes, modules and functions met on the way; number the places.
@@ -388,6 +398,15 @@ class Walk:
             return Same(value)
         if isinstance(value, np.generic):
             return Const(value)
+        if t is types.BuiltinMethodType or t is types.MethodWrapperType:
+            # `get = cfg.get`, `cfg.__getitem__`: what the method reads is its owner's.
+            owner = value.__self__
+            if owner is not None and not isinstance(owner, (type, types.ModuleType)):
+                self._held({"__self__": owner}, path)
+            return Same(value)
+        if t in _DICT_VIEWS:
+            self._held({"mapping": value.mapping}, path)  # `vals = cfg.values()`
+            return Same(value)
         from ._params import Params  # imports this module's users; a cycle at import time
 
         if t is Params:
@@ -493,6 +512,10 @@ class Walk:
                     node.globals.append((name, Same(value)))
                 else:
                     node.globals.append((name, self.node(value, name)))
+        own = vars(fn)
+        if own.keys() - _WRAPPER_ATTRS:
+            # Attributes set on the function (`helper.scale = 2.0`) that code may read.
+            self.held(own, f"{path}.__dict__")
         if fn.__defaults__ is not None:
             node.defaults = self.node(fn.__defaults__, f"{path} defaults")
         if fn.__kwdefaults__ is not None:

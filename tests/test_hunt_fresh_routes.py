@@ -1,0 +1,150 @@
+"""Routes to a value `f` reads that were stale (found 2026-12-02): a builtin method
+or a dict view the closure holds (`get = cfg.get`, `cfg.values()`), an attribute
+set on a function (`helper.scale`), and a plain object passed as an argument
+(jax takes it for one leaf, keyed by identity) changed in place. Each changes the
+value between calls and compares with the function run uncompiled (`jax.grad`
+under `jax.disable_jit`); trace counters check that nothing unchanged re-traces."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import treegrad as tg
+
+w = jnp.array([0.5, -1.0, 2.0])
+
+
+def reference(f, *args):
+    with jax.disable_jit():
+        return jax.grad(f)(*args)
+
+
+def _builtin_method():
+    cfg = {"s": 2.0}
+    get = cfg.get
+    return (lambda v: jnp.sum(v**2) * get("s")), lambda s: cfg.__setitem__("s", s)
+
+
+def _list_getitem():
+    box = [2.0]
+    item = box.__getitem__
+    return (lambda v: jnp.sum(v**2) * item(0)), lambda s: box.__setitem__(0, s)
+
+
+def _dict_values_view():
+    cfg = {"s": 2.0}
+    vals = cfg.values()
+    return (lambda v: jnp.sum(v**2) * sum(vals)), lambda s: cfg.__setitem__("s", s)
+
+
+def _dict_items_view():
+    cfg = {"s": 2.0}
+    items = cfg.items()
+    return (lambda v: jnp.sum(v**2) * dict(items)["s"]), lambda s: cfg.__setitem__("s", s)
+
+
+def _helper_reads_its_attribute():
+    def helper(v):
+        return v * helper.scale
+
+    helper.scale = 2.0
+    return (lambda v: jnp.sum(helper(v) ** 2)), lambda s: setattr(helper, "scale", s)
+
+
+def _loss_reads_a_helper_attribute():
+    def helper(v):
+        return v
+
+    helper.scale = 2.0
+    return (lambda v: jnp.sum(helper(v) ** 2) * helper.scale), lambda s: setattr(helper, "scale", s)
+
+
+def _loss_reads_its_own_attribute():
+    def loss(v):
+        return jnp.sum(v**2) * loss.scale
+
+    loss.scale = 2.0
+    return loss, lambda s: setattr(loss, "scale", s)
+
+
+ROUTES = [
+    _builtin_method,
+    _list_getitem,
+    _dict_values_view,
+    _dict_items_view,
+    _helper_reads_its_attribute,
+    _loss_reads_a_helper_attribute,
+    _loss_reads_its_own_attribute,
+]
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.__name__.strip("_"))
+def test_values_read_through_the_route_are_fresh(route):
+    f, set_scale = route()
+    for s in (2.0, 3.0, -0.5):
+        set_scale(s)
+        (g,) = tg.gradient(f, w)
+        np.testing.assert_allclose(g, reference(f, w), rtol=1e-6)
+        np.testing.assert_allclose(
+            g, 2 * w * s**2 if route is _helper_reads_its_attribute else 2 * w * s
+        )
+
+
+class Config:
+    def __init__(self, scale):
+        self.scale = scale
+        self.calls = 0
+
+
+def test_a_plain_object_argument_changed_in_place_is_read_fresh():
+    cfg = Config(2.0)
+
+    def loss(v, c):
+        c.calls += 1  # written by the function: bookkeeping, not re-traced for
+        return jnp.sum(v**2) * c.scale
+
+    for s in (2.0, 3.0):
+        cfg.scale = s
+        g, none = tg.gradient(loss, w, cfg)
+        assert none is None
+        np.testing.assert_allclose(g, reference(loss, w, cfg))
+        value, (_g2, _) = tg.withgradient(loss, w, cfg)
+        np.testing.assert_allclose(value, s * jnp.sum(w**2), rtol=1e-6)
+        _y, back = tg.pullback(loss, w, cfg)
+        np.testing.assert_allclose(back(1.0)[0], 2 * w * s, rtol=1e-6)
+        np.testing.assert_allclose(tg.jit(loss)(w, cfg), s * jnp.sum(w**2), rtol=1e-6)
+    traced = cfg.calls
+    for _ in range(3):
+        tg.gradient(loss, w, cfg)
+    assert cfg.calls == traced  # unchanged: the cached program
+
+
+def test_a_plain_object_inside_a_container_argument_is_read_fresh():
+    cfg = Config(2.0)
+    in_dict = lambda d: jnp.sum(d["w"] ** 2) * d["cfg"].scale
+    in_list = tg.jit(lambda xs: jnp.sum(xs[0] ** 2) * xs[1].scale)
+    for s in (2.0, 3.0):
+        cfg.scale = s
+        (g,) = tg.gradient(in_dict, {"w": w, "cfg": cfg})
+        np.testing.assert_allclose(g["w"], 2 * w * s, rtol=1e-6)
+        assert g["cfg"] is None
+        np.testing.assert_allclose(in_list([w, cfg]), s * jnp.sum(w**2), rtol=1e-6)
+
+
+def test_unchanged_routes_do_not_retrace():
+    cfg = {"s": 2.0}
+    get = cfg.get
+    traces = []
+
+    def loss(v):
+        traces.append(1)
+        return jnp.sum(v) * get("s") * loss.scale
+
+    loss.scale = 3.0
+    for _ in range(4):
+        tg.gradient(loss, w)
+    assert len(traces) == 1
+    cfg["s"] = 4.0
+    np.testing.assert_allclose(tg.gradient(loss, w)[0], jnp.full(3, 12.0))
+    assert len(traces) == 2
