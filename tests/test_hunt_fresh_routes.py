@@ -5,6 +5,10 @@ set on a function (`helper.scale`), and a plain object passed as an argument
 value between calls and compares with the function run uncompiled (`jax.grad`
 under `jax.disable_jit`); trace counters check that nothing unchanged re-traces."""
 
+import builtins
+import enum
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +72,33 @@ def _loss_reads_its_own_attribute():
     return loss, lambda s: setattr(loss, "scale", s)
 
 
+class _Mode(enum.Enum):
+    TRAIN = 1
+
+
+def _enum_member_attribute():
+    _Mode.TRAIN.scale = 2.0
+    return (lambda v: jnp.sum(v**2) * _Mode.TRAIN.scale), lambda s: setattr(_Mode.TRAIN, "scale", s)
+
+
+def _name_put_in_builtins():
+    builtins.TG_TEST_SCALE = 2.0
+    f = eval("lambda v: jnp.sum(v**2) * TG_TEST_SCALE", {"jnp": jnp})
+    return f, lambda s: setattr(builtins, "TG_TEST_SCALE", s)
+
+
+def _singledispatch_registered_later():
+    @functools.singledispatch
+    def factor(a):
+        return 2.0
+
+    def set_scale(s):
+        if s != 2.0:
+            factor.register(float, lambda a: s)  # a new implementation for floats
+
+    return (lambda v: jnp.sum(v**2) * factor(0.5)), set_scale
+
+
 ROUTES = [
     _builtin_method,
     _list_getitem,
@@ -76,6 +107,9 @@ ROUTES = [
     _helper_reads_its_attribute,
     _loss_reads_a_helper_attribute,
     _loss_reads_its_own_attribute,
+    _enum_member_attribute,
+    _name_put_in_builtins,
+    _singledispatch_registered_later,
 ]
 
 

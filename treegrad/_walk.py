@@ -12,6 +12,7 @@ guard.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import enum
 import functools
@@ -89,6 +90,14 @@ _SKIP_CLASS_ATTRS = frozenset(
 )
 
 
+_BUILTINS = vars(builtins)
+
+
+class _AnEnum(enum.Enum):
+    A = 1
+
+
+_ENUM_ATTRS = frozenset(vars(_AnEnum.A))  # what every member has (`_value_`, `_name_`...)
 _DICT_VIEWS: tuple[type, ...] = (type({}.keys()), type({}.values()), type({}.items()))
 # What functools.wraps sets on a wrapper: read by libraries, not by the user's code.
 _WRAPPER_ATTRS = frozenset({"__wrapped__", "__signature__", "__annotations__", "__type_params__"})
@@ -432,6 +441,9 @@ class Walk:
         if isinstance(value, enum.Enum):
             # A member's value may be mutable (`A = [2.0]`): walked as a root of its own.
             self._held({"value": value._value_}, path)
+            if vars(value).keys() - _ENUM_ATTRS:
+                # Attributes set on the member (`Mode.TRAIN.scale = 2.0`), by the names read.
+                return self._object(value, path)
             return Same(value)
         if _is_pytree_node(value):
             try:
@@ -500,6 +512,10 @@ class Walk:
         for name in info.globals:
             value = g.get(name, MISSING)
             node.globals.append((name, None if value is MISSING else self.node(value, name)))
+            if value is MISSING and name in _BUILTINS and not callable(_BUILTINS[name]):
+                # A value put in `builtins` (`builtins.SCALE = 2.0`): read from there.
+                self.attr_names.add(name)
+                self._absolute(builtins)
         if info.all_globals:
             # A name computed at run time (`globals()[name]`): every other global of
             # its module is checked too; a function, class or module by identity (a
