@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.flatten_util import ravel_pytree
 
 import treegrad as tg
 from treegrad import _optstep, nn
@@ -96,8 +97,17 @@ def reference_step(rule, opt_state, params, grads, skipped):
     )
     try:
         return new_params, restore_own_entries(rule, opt_state, new_state, skip)
-    except ValueError:  # optax.flatten: its state is one vector, nothing per parameter
-        return new_params, new_state
+    except ValueError:
+        # optax.flatten: its state is one vector, the parameters raveled in tree order
+        # (jax.flatten_util.ravel_pytree): the skipped ones' slices are put back.
+        mask = ravel_pytree(
+            jax.tree_util.tree_map(lambda s, p: jnp.full(p.shape, s), skip, params)
+        )[0]
+        return new_params, jax.tree_util.tree_map(
+            lambda old, new: jnp.where(mask, old, new) if new.shape == mask.shape else new,
+            opt_state,
+            new_state,
+        )
 
 
 def run_reference(make_rule, steps=10):

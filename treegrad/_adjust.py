@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._jaxpr import is_tracer
-from ._optstate import _Config, own_part, split_leaves, with_frozen
-from ._optview import Leaf, OptState, SubState, rule_name
+from ._optstate import _Config, mixed_skips, own_part, split_leaves, with_frozen
+from ._optview import Leaf, OptState, SubState, rule_name, skip_problem
 
 
 def _chosen(state: Any, api: str) -> tuple[OptState, list[int], str]:
@@ -120,14 +120,15 @@ def _with_hyperparams(state: Any, values: dict[str, Any], rule: Any, api: str) -
     return new
 
 
-def _already(root: OptState, chosen: list[int], values: dict[str, Any], api: str) -> bool:
+def _already(root: OptState, chosen: list[int], values: dict[str, Any], api: str) -> bool | None:
     """Whether the parts holding the `chosen` parameters already have these values (the
     names and values checked as an adjust checks them). A sub-state is then not split
     from the rest: that would change a rule looking across parameters (the global norm
     of `optax.clip_by_global_norm` taken per part) for a change that changes nothing.
-    Inside a trace the values cannot be compared: the sub-state gets its own part."""
+    None where a traced value (inside jax.jit or tg.jit) makes it impossible to tell."""
     config = root._config
     per_part = split_leaves(config, root._leaves)
+    same: bool | None = True
     for k in sorted({config.owner[i] for i in chosen}):
         part = config.parts[k]
         old = per_part[k]
@@ -138,11 +139,39 @@ def _already(root: OptState, chosen: list[int], values: dict[str, Any], api: str
             if a is b:
                 continue
             if is_tracer(a) or is_tracer(b):
-                return False
+                same = None
+                continue
             a, b = np.asarray(a), np.asarray(b)
             if a.dtype != b.dtype or not np.array_equal(a, b):
                 return False
-    return True
+    return same
+
+
+def _shares_a_part(config: _Config, chosen: list[int]) -> bool:
+    """Whether a part owning some of the `chosen` parameters also owns others: adjusting
+    them then gives them a part of their own (`own_part`)."""
+    chosen_set = set(chosen)
+    owners = {config.owner[i] for i in chosen}
+    return any(config.owner[i] in owners and i not in chosen_set for i in range(config.n))
+
+
+def _traced_split(api: str, scope: str, hyper: dict[str, Any]) -> TypeError:
+    # Inside a compiled step the split cannot follow the values: eagerly, an adjust to
+    # the value already there splits nothing, and a compiled step splitting anyway
+    # gives another result (a clip_by_global_norm then clips each part apart); an
+    # implicit tg.jit step cannot write back a state whose structure it changed.
+    where = f"the sub-state at '{scope}'" if scope else "this sub-state"
+    name = next(iter(hyper))
+    return TypeError(
+        f"{api} of {where} inside a compiled step (tg.jit, jax.jit): its parameters share "
+        "one optax state with others, and adjusting them gives them a part of their own "
+        "unless the value is the one already there, which cannot be told from traced "
+        "values, so the compiled step could not do what the uncompiled one does. Give it "
+        f"a part of its own once, outside the compiled step ({api} of it there to a new "
+        "value, or assign it a rule: state.sub = tg.setup(rule, model.sub)); adjusting it "
+        f"inside the step then only changes the value. Or adjust the whole state "
+        f"({api}(state, {name}=...)) inside the step, or adjust outside it."
+    )
 
 
 def _adjusted(state: Any, hyper: dict[str, Any], api: str) -> tuple[OptState, _Config, list[Any]]:
@@ -150,8 +179,11 @@ def _adjusted(state: Any, hyper: dict[str, Any], api: str) -> tuple[OptState, _C
     if not hyper:
         raise TypeError(f"{api}: name the hyperparameters to change, e.g. learning_rate=1e-4.")
     values = {name: _check_value(name, v, api) for name, v in hyper.items()}
-    if _already(root, chosen, values, api):
+    same = _already(root, chosen, values, api)
+    if same:
         return root, root._config, list(root._leaves)
+    if same is None and _shares_a_part(root._config, chosen):
+        raise _traced_split(api, scope, hyper)
     config, leaves, parts = own_part(root._config, root._leaves, chosen, scope)
     per_part = split_leaves(config, leaves)
     for k in parts:
@@ -185,6 +217,16 @@ def adjust_(state: Any, **hyper: Any) -> None:
         0.01
     """
     root, config, leaves = _adjusted(state, hyper, "tg.adjust_")
+    if any(map(is_tracer, leaves)) and not any(map(is_tracer, root._leaves)):
+        # A traced value into a state the transformation does not trace (jax.jit
+        # capturing it): nothing would write it back, and a tracer would stay in it.
+        raise TypeError(
+            "tg.adjust_ inside jax.jit (or another jax transformation) with a traced value, "
+            "on an optimiser state the transformation does not trace: the traced value would "
+            "leak into the state, which is left unchanged. Compile the step with tg.jit, "
+            "which writes the state back; or use the pure `state = tg.adjust(state, ...)` "
+            "and return the state."
+        )
     root._install(config, leaves)
 
 
@@ -235,7 +277,11 @@ def freeze_(state: Any) -> None:
         (Array([1., 1.], dtype=float32), Array([0.9, 0.9], dtype=float32))
     """
     root, chosen, _ = _chosen(state, "tg.freeze_")
-    root._install(with_frozen(root._config, chosen, True), root._leaves)
+    config = with_frozen(root._config, chosen, True)
+    found = mixed_skips(config, config.kept)
+    if found is not None:
+        raise TypeError(f"tg.freeze_: {skip_problem(config, *found)}")
+    root._install(config, root._leaves)
 
 
 def thaw_(state: Any) -> None:

@@ -61,6 +61,7 @@ import numpy as np
 
 from . import _manifest
 from ._manifest import Manifest, ManifestError, Target, display
+from ._optview import OptState
 from ._typing import PyTree
 
 _MANIFEST = "treegrad.json"
@@ -149,7 +150,12 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
         if primary:
             files = _hash_files(folder, name, sync=True) if stored else []
             manifest = Manifest(
-                generation, name if stored else None, tuple(arrays), tuple(leaves), tuple(files)
+                generation,
+                name if stored else None,
+                tuple(arrays),
+                tuple(leaves),
+                tuple(files),
+                _frozen_of(tree),
             )
             with open(tmp, "xb") as f:
                 f.write(_manifest.dump(manifest))
@@ -347,7 +353,55 @@ def load(path: str | os.PathLike[str], like: PyTree) -> PyTree:
             new.append(leaf)
         else:
             new.append(t.value)
-    return rebuild(new)
+    out = rebuild(new)
+    _refreeze(out, m, str(folder))
+    return out
+
+
+def _states(tree: Any) -> list[tuple[tuple[str, ...], OptState]]:
+    """The optimiser states in `tree`, each with its key path (one `keystr` per key)."""
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, OptState))
+    return [
+        (tuple(jax.tree_util.keystr((k,)) for k in path), x)
+        for path, x in found[0]
+        if isinstance(x, OptState)
+    ]
+
+
+def _frozen_of(tree: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Per optimiser state in `tree`: the model paths of its frozen parameters.
+
+    `tg.freeze_` is static data of the state, not an array: without this record a
+    state would load frozen as `like` is, and a resumed run would train what the
+    saved one did not."""
+    out = []
+    for keys, state in _states(tree):
+        config = state._config
+        out.append((keys, tuple(sorted(config.paths[config.first[i]] for i in config.frozen))))
+    return tuple(out)
+
+
+def _refreeze(tree: Any, m: Manifest, where: str) -> None:
+    """Give each loaded optimiser state the frozen parameters its saved one had."""
+    if not m.states:
+        return  # written before treegrad recorded them: `like`'s stand
+    saved = dict(m.states)
+    for keys, state in _states(tree):
+        frozen = saved.get(keys)
+        if frozen is None:
+            continue
+        config = state._config
+        by_path = {config.paths[config.first[i]]: i for i in range(config.n)}
+        missing = [p for p in frozen if p not in by_path]
+        if missing:
+            raise ValueError(
+                f"tg.load: the optimiser state in the checkpoint {where} has '{missing[0]}' "
+                "frozen, a parameter the state in `like` lacks. Load into a state set up for "
+                "the model that was saved."
+            )
+        chosen = frozenset(by_path[p] for p in frozen)
+        if chosen != config.frozen:
+            state._install(config.replaced(frozen=chosen), state._leaves)
 
 
 def _sniff(p: Path) -> str:

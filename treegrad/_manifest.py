@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._jaxpr import is_tracer
+from ._params import Params
 from ._tree import path_str
 
 FORMAT = "treegrad-checkpoint"
@@ -102,6 +103,10 @@ class Manifest:
     arrays: tuple[ArrayRecord, ...]
     leaves: tuple[LeafRecord, ...]
     files: tuple[tuple[str, int, str], ...]  # (name relative to the checkpoint, size, sha256)
+    # Per optimiser state in the tree: its key path (one `keystr` per key, as a leaf's
+    # `keys`) and the model paths of its frozen parameters (`tg.freeze_`), which are
+    # static data of the state, not arrays. Empty in checkpoints written before.
+    states: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
 
 def display(path: str) -> str:
@@ -245,12 +250,27 @@ def check_storable(leaf: Any, path: str, api: str) -> None:
 
 def check_not_data(leaf: Any, path: str, api: str) -> None:
     """Refuse a data leaf that would otherwise be silently replaced by `like`'s on load."""
+    check_not_params(leaf, path, api)
     for t, instead in _REFUSED.items():
         if isinstance(leaf, t):
             raise TypeError(
                 f"{api}: '{display(path)}' is a {t.__name__}, which a checkpoint does not "
                 f"store (its value would be lost). Save it as {instead}."
             )
+
+
+def check_not_params(leaf: Any, path: str, api: str) -> None:
+    """Refuse a `tg.Params`, in the tree saved or in `like`."""
+    if isinstance(leaf, Params):
+        # A Params is not a pytree of its arrays (it is a leaf): it would store nothing,
+        # and a load would hand `like`'s arrays back.
+        where = f" at '{display(path)}'" if path else ""
+        raise TypeError(
+            f"{api}: got a tg.Params{where}, a set of references to a model's arrays that a "
+            "checkpoint does not store. Save the model it was built from, "
+            "tg.save(path, model), and load it with tg.load(path, model_like); then "
+            "tg.params(model) gives its Params."
+        )
 
 
 def _storage_form(x: Any) -> tuple[ArrayRecord, Any]:
@@ -317,6 +337,11 @@ def _body(m: Manifest) -> dict[str, Any]:
         ],
         "leaves": [_leaf_json(r) for r in m.leaves],
         "files": [{"name": n, "size": s, "sha256": h} for n, s, h in m.files],
+        **(
+            {"states": [{"keys": list(k), "frozen": list(f)} for k, f in m.states]}
+            if m.states
+            else {}
+        ),
     }
 
 
@@ -393,7 +418,16 @@ def parse(text: bytes) -> Manifest:
     files = tuple(_file(f) for f in _list(obj, "files"))
     _need(all(f[0].startswith(f"{data}/") for f in files), "a file lies outside 'data'")
     _need(data is not None or not any(a.stored for a in arrays), "arrays are stored but no 'data'")
-    return Manifest(obj["generation"], data, arrays, leaves, files)
+    states = tuple(_state(r) for r in obj["states"]) if "states" in obj else ()
+    return Manifest(obj["generation"], data, arrays, leaves, files, states)
+
+
+def _state(r: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    _need(isinstance(r, dict), "a 'states' entry is not an object")
+    keys, frozen = r.get("keys"), r.get("frozen")
+    for v in (keys, frozen):
+        _need(isinstance(v, list) and all(isinstance(k, str) for k in v), "bad 'states' entry")
+    return tuple(keys), tuple(frozen)
 
 
 def _need(ok: bool, what: str) -> None:
@@ -523,6 +557,7 @@ def match(
     used: set[tuple[str, ...]] = set()
     containers = container_names(like)
     for (keys, path, leaf), inside in zip(leaves_with_keys(like), containers, strict=True):
+        check_not_params(leaf, path, api)
         r = saved.get(keys)
         name = display(path)
         if r is None:
@@ -572,7 +607,13 @@ def match(
     if extra:
         path = display(extra[0].path)
         hint = "Load into a model built like the one that was saved."
-        if ":" in path:
+        if _STATE in (extra[0].containers or ()) and ":" not in path:
+            hint = (
+                "It is an entry of a saved optimiser state: the optimiser rule in `like` "
+                "differs from the one the state was saved with. Load into "
+                "tg.setup(rule, model) with the rule that was saved."
+            )
+        elif ":" in path:
             # Named `sub.model:...`: a sub-state that had a rule or hyperparameters of
             # its own when saved; a fresh tg.setup has not (yet).
             hint = (
@@ -621,10 +662,40 @@ def _missing(
             "into a model built like the one that was saved."
         )
     what = describe_array(leaf) if is_array(leaf) else type(leaf).__name__
+    alike = next((r for r in m.leaves if r.path == name), None)
+    if alike is not None:
+        # Two keys that print alike in a dotted path ({1: x} and {"1": x}): show both.
+        return ValueError(
+            f"{api}: the model has {''.join(keys)} ({what}) but the checkpoint {where} has "
+            f"{''.join(alike.keys)} there instead (the keys differ in type; both read "
+            f"'{name}'). Load into a model built like the one that was saved."
+        )
+    if _STATE in inside:
+        depth = inside.index(_STATE)
+        saved = [r for r in m.leaves if r.keys[:depth] == keys[:depth]]
+        if saved and all(_STATE in (r.containers or ()) for r in saved):
+            held = ", ".join(f"'{_inner(r.path, depth)}'" for r in saved[:3])
+            inner = _inner(name, depth)
+            at = f" at '{name[: len(name) - len(inner) - 1]}'" if depth else ""
+            return ValueError(
+                f"{api}: the optimiser state{at} in `like` has '{inner}' "
+                f"({what}) but the state in the checkpoint {where} does not (it has {held}"
+                f"{', ...' if len(saved) > 3 else ''}): the optimiser rule differs from the "
+                "one the state was saved with. Load into tg.setup(rule, model) with the rule "
+                "that was saved (and the same sub-state rules and adjusts)."
+            )
     return ValueError(
         f"{api}: the model has '{name}' ({what}) but the checkpoint {where} does not. "
         "Load into a model built like the one that was saved."
     )
+
+
+_STATE = "OptState"  # the type name a state's leaves have above them in `containers`
+
+
+def _inner(path: str, depth: int) -> str:
+    """A state leaf's name: its dotted path without the `depth` keys above the state."""
+    return path.split(".", depth)[-1] if depth else path
 
 
 def _container_difference(

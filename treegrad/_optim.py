@@ -27,9 +27,9 @@ from ._grads import Grads
 from ._jaxpr import is_tracer
 from ._layout import placements, several_devices, state_on_other_devices
 from ._optguard import RuleGuard, holder
-from ._optstate import _Config, build, holders
+from ._optstate import _Config, build, holders, mixed_skips
 from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
-from ._optview import Leaf, OptState, SubState
+from ._optview import Leaf, OptState, SubState, skip_problem
 from ._params import Params
 from ._paths import rebind
 from ._tree import describe_leaf, first_difference, is_differentiable, is_none, tree_map_shared
@@ -371,6 +371,22 @@ def _check_rebindable(config: _Config, model: Any, api: str) -> None:
         )
 
 
+def _check_mixed(config: _Config, g: list[Any], api: str) -> None:
+    """A parameter skipped (a `None` gradient, or frozen) whose optax state is one array
+    with other parameters' that are stepped (`optax.flatten`'s vector): its part of it
+    cannot be kept while the rest steps, and would silently decay."""
+    have = {i for i, x in zip(config.tslot, g, strict=True) if x is not None}
+    skipped = set(config.kept) | (set(range(config.n)) - have)
+    found = mixed_skips(config, skipped)
+    if found is None:
+        return
+    i, k = found
+    raise ValueError(
+        f"{api}: {skip_problem(config, i, k)} Pass a zero gradient for it instead of None "
+        "(its state then steps as in plain optax), or thaw it."
+    )
+
+
 def _check_rules(config: _Config) -> None:
     """Trace the step again when a value the rules' own functions read (a schedule's
     dict entry, say) changed since it was traced: plain optax reads it every step."""
@@ -428,6 +444,8 @@ def _run(
             g = _from_tree(config, m_def, m_leaves, model, grads, api)
         g_in, present = _inputs(config, g, params, donate)
         none = _has_none(g)
+    if config.kept or none:
+        _check_mixed(config, g, api)
     _check_rules(config)  # before the step is read: it may trace it again
     run = step_donating if donate else _optstep.step
     if config.kept:

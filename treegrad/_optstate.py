@@ -18,12 +18,14 @@ which are frozen) lives in one hashable `_Config`, the treedef aux of the
 passes the same config object on and jax never re-hashes it.
 
 Which optax state entries belong to which parameter comes from optax's public
-`optax.tree_map_params`, once per part (`_Part.statemap`); nothing guesses at
-state shapes.
+`optax.tree_map_params`, once per part (`_Part.statemap`); for a rule it cannot map
+(`optax.flatten`, `optax.sm3`), from what the rule's init leaves out when a parameter
+is left out (`_statemap_by_removal`).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -58,7 +60,8 @@ class _Part(NamedTuple):
     leaf_ids: tuple[int, ...]
     """For each leaf of that tree, the parameter it is (index into the distinct arrays)."""
     statemap: tuple[int, ...]
-    """For each optax state leaf, the leaf of `param_def` it belongs to, or -1 (shared)."""
+    """For each optax state leaf, the leaf of `param_def` it belongs to, -1 (shared), or
+    `MIXED` (several parameters' at once)."""
     scope: str
     """Model path of the sub-model the rule was set up for ("" for the whole model)."""
 
@@ -408,7 +411,16 @@ def _map_param_subtrees(
         return None
 
 
-def _statemap(rule: Any, state: Any, param_def: Any) -> tuple[int, ...]:
+MIXED = -2
+"""A `_Part.statemap` entry for an optax state leaf that holds several parameters'
+state at once, in a layout not known: it cannot be kept for one of them."""
+RAVELED = -3
+"""A `_Part.statemap` entry for an optax state leaf that holds every parameter's
+state raveled into one vector, in the tree's order (`optax.flatten`'s, made with
+`jax.flatten_util.ravel_pytree`): a skipped parameter's slice is kept."""
+
+
+def _statemap(rule: Any, state: Any, param_def: Any, tree: Any) -> tuple[int, ...]:
     n_state = len(jax.tree_util.tree_leaves(state))
     index = param_def.unflatten(range(param_def.num_leaves))
 
@@ -425,8 +437,77 @@ def _statemap(rule: Any, state: Any, param_def: Any) -> tuple[int, ...]:
     marked = _map_param_subtrees(rule, state, positions, shared)
     leaves = [] if marked is None else jax.tree_util.tree_leaves(marked)
     if len(leaves) != n_state or not all(isinstance(x, int) for x in leaves):
-        return (-1,) * n_state
+        return _statemap_by_removal(rule, param_def, tree, n_state)
     return tuple(leaves)
+
+
+def _statemap_by_removal(rule: Any, param_def: Any, tree: Any, n_state: int) -> tuple[int, ...]:
+    """`_statemap` for a rule `optax.tree_map_params` cannot map as a whole (it inits the
+    whole rule on a placeholder, which `optax.flatten` and `optax.sm3` cannot take, even
+    as one part of a chain or `multi_transform`).
+
+    What the rule keeps for a parameter is what its init no longer makes when that
+    parameter is left out of the tree (`None` there, as for an untrained leaf). With
+    parameters left out by the bits of their number (each set and its complement, so
+    2·⌈log2 n⌉ inits under `jax.eval_shape`), each state leaf is one parameter's (gone
+    exactly when it is left out), shared (never changes: optax's `count`), or `MIXED`
+    (changes with several: `optax.flatten`'s one vector), by its optax key path.
+    """
+    flat = param_def.flatten_up_to(tree)
+    n = len(flat)
+    spec = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+
+    def init_without(left_out: set[int]) -> dict[Any, Any] | None:
+        t = param_def.unflatten([None if k in left_out else x for k, x in enumerate(spec)])
+        try:
+            out = jax.eval_shape(rule.init, t)
+        except (ValueError, TypeError, IndexError):  # a rule that needs those parameters
+            return None
+        return {path: x.shape for path, x in jax.tree_util.tree_flatten_with_path(out)[0]}
+
+    full = init_without(set())
+    if full is None or len(full) != n_state:
+        return (MIXED,) * n_state
+    paths = list(full)
+    code = [0] * n_state
+    owned = [True] * n_state
+    shared = [True] * n_state
+    for b in range(max(1, (n - 1).bit_length())):
+        ones = {k for k in range(n) if k >> b & 1}
+        with_one, with_zero = init_without(ones), init_without(set(range(n)) - ones)
+        if with_one is None or with_zero is None:
+            return (MIXED,) * n_state
+        for j, path in enumerate(paths):
+            gone_one = with_one.get(path) != full[path]
+            gone_zero = with_zero.get(path) != full[path]
+            shared[j] = shared[j] and not (gone_one or gone_zero)
+            owned[j] = owned[j] and gone_one != gone_zero
+            code[j] |= gone_one << b
+    total = sum(math.prod(x.shape) for x in spec)
+
+    def mixed(j: int) -> int:
+        # One vector as long as all the parameters together: optax.flatten's.
+        return RAVELED if full[paths[j]] == (total,) else MIXED
+
+    return tuple(
+        -1 if shared[j] else code[j] if owned[j] and code[j] < n else mixed(j)
+        for j in range(n_state)
+    )
+
+
+def mixed_skips(config: _Config, skipped: Iterable[int]) -> tuple[int, int] | None:
+    """A skipped parameter (no gradient, or frozen) whose part keeps `MIXED` state it
+    shares with a parameter of that part that is not skipped, as `(parameter, part)`:
+    the one vector cannot be kept for one parameter and stepped for another."""
+    skipped = set(skipped)
+    for k, part in enumerate(config.parts):
+        if MIXED not in part.statemap:
+            continue
+        mine = [i for i in part.leaf_ids if config.owner[i] == k]
+        some = [i for i in mine if i in skipped]
+        if some and len(some) < len(mine):
+            return some[0], k
+    return None
 
 
 def param_state(part: _Part, state: Any, local: int) -> Any:
@@ -472,7 +553,7 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
     state = _steady_dtypes(rule, rule.init(tree), tree)
     _refuse_lookahead(state)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
-    statemap = _statemap(rule, state, param_def)
+    statemap = _statemap(rule, state, param_def, tree)
     part = _Part(rule, state_def, param_def, tuple(leaf_ids), statemap, scope)
     p_leaves = [x for x in masked if x is not None]
     owners = [p_leaves[local] if local >= 0 else None for local in statemap]
@@ -678,8 +759,11 @@ def own_part(
 
 
 __all__ = [
+    "MIXED",
+    "RAVELED",
     "build",
     "graft",
+    "mixed_skips",
     "new_part",
     "own_part",
     "param_state",

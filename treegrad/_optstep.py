@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from ._layout import constrain
-from ._optstate import _Config
+from ._optstate import MIXED, RAVELED, _Config
 from ._optview import rule_name
 from ._tree import describe_leaf, is_inexact
 
@@ -213,6 +213,23 @@ def _part_step(
         if local >= 0:
             i = part.leaf_ids[local]
             new[j] = jnp.where(seen[i], new[j], old[j]) if mine[local] else old[j]
+        elif local == RAVELED:
+            # Every parameter's state in one vector, in the tree's order (optax.flatten's):
+            # each skipped parameter's slice keeps its old values.
+            keep = [
+                jnp.broadcast_to(jnp.logical_not(seen[i]) if m else True, (p.size,))
+                for i, m, p in zip(part.leaf_ids, mine, p_leaves, strict=True)
+            ]
+            new[j] = jnp.where(jnp.concatenate(keep), old[j], new[j])
+        elif local == MIXED:
+            # Several parameters' state in one array (optax.flatten's vector): kept when
+            # every parameter of this part is skipped; a step skipping only some of them
+            # is refused before it runs (`_optim._check_mixed`).
+            own = [seen[i] for i, m in zip(part.leaf_ids, mine, strict=True) if m]
+            if not own:
+                new[j] = old[j]
+            else:
+                new[j] = jnp.where(functools.reduce(jnp.logical_or, own), new[j], old[j])
     u_leaves = part.param_def.flatten_up_to(updates)
     for local, (i, p, u) in enumerate(zip(part.leaf_ids, p_leaves, u_leaves, strict=True)):
         if mine[local]:

@@ -17,7 +17,7 @@ from typing import Any, NoReturn, Self
 import jax
 
 from ._fasttree import register_tuple_node
-from ._optstate import _Config, _Pos, graft, param_state
+from ._optstate import MIXED, _Config, _Pos, graft, param_state
 from ._paths import register_in_place
 
 
@@ -327,6 +327,22 @@ def _read_only(view: Any) -> Any:
 def rule_name(rule: Any) -> str:
     qual = getattr(getattr(rule, "init", None), "__qualname__", "") or ""
     return qual.split(".<locals>")[0] if qual else type(rule).__name__
+
+
+def skip_problem(config: _Config, i: int, k: int) -> str:
+    """Why parameter `i` of part `k` cannot be skipped (for `update` and `freeze_`)."""
+    part = config.parts[k]
+    path = config.paths[config.first[i]]
+    names = config.names[config.offsets[k] : config.offsets[k + 1]]
+    mixed = next(n for n, local in zip(names, part.statemap, strict=True) if local == MIXED)
+    return (
+        f"'{path}' is skipped (a None gradient, or frozen) while other parameters of its "
+        f"rule {rule_name(part.rule)} are stepped, and that rule keeps their state together "
+        f"in one array ('{mixed}', as optax.flatten does), so its part of it cannot be kept "
+        "unchanged and would be stepped with a zero gradient. Give it a rule of its own "
+        "(state.sub = tg.setup(rule, model.sub)), which it can skip whole, or use the rule "
+        "without optax.flatten."
+    )
 
 
 def _flatten(state: OptState) -> tuple[tuple[Any, ...], _Config]:
