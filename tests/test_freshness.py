@@ -547,6 +547,16 @@ def test_weak_reference_and_proxy_whose_object_dies():
 SCALE = 2.0
 
 
+@pytest.fixture
+def few_user_modules(monkeypatch):
+    """`sys.modules` read by a computed name walks every user module in it: in a test run,
+    every test module imported (over 50 s in a whole run on a busy 2-core host). The
+    other test modules are taken out of it for the test, as a script has few."""
+    for name in [n for n in sys.modules if n.startswith("tests.") and n != __name__]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.usefixtures("few_user_modules")
 def test_the_calling_module_read_through_sys_modules(monkeypatch):
     f = lambda v: jnp.sum(v) * sys.modules[__name__].SCALE
     check(f)
@@ -735,11 +745,12 @@ _BY_NAME_ROUTES = {
     "route",
     [
         # Every user module in sys.modules is walked there (`__dict__`: any attribute
-        # may be read): over 1 s in a test run, which has imported all of them.
+        # may be read): over 1 s in a test run, even with `few_user_modules`.
         pytest.param(r, marks=pytest.mark.slow) if r.startswith("sys.modules") else r
         for r in _BY_NAME_ROUTES
     ],
 )
+@pytest.mark.usefixtures("few_user_modules")
 def test_a_global_or_module_attribute_read_by_a_name_in_a_string(route, monkeypatch):
     """A global read through `globals()`, `eval`, `exec` or a frame's `f_globals`, and a
     user module's attribute read through `getattr`, `vars` or `__dict__`, was checked

@@ -8,6 +8,8 @@ under `jax.disable_jit`); trace counters check that nothing unchanged re-traces.
 import builtins
 import enum
 import functools
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +184,27 @@ def test_unchanged_routes_do_not_retrace():
     cfg["s"] = 4.0
     np.testing.assert_allclose(tg.gradient(loss, w)[0], jnp.full(3, 12.0))
     assert len(traces) == 2
+
+
+class _LazyProxy:
+    """What lazy loaders hand out: the first attribute read imports a module."""
+
+    def __getattribute__(self, name):
+        sys.modules.setdefault("tg_test_loaded_lazily", types.ModuleType("tg_test_loaded_lazily"))
+        return object.__getattribute__(self, name)
+
+
+def test_a_module_imported_while_sys_modules_is_walked(monkeypatch):
+    # Once: the size of sys.modules was taken before the walk, which imported one
+    # (a user module holding a lazy loader's object): "a new guard rejected its own
+    # function" (AssertionError), on the first call.
+    monkeypatch.delitem(sys.modules, "tg_test_loaded_lazily", raising=False)
+    user = types.ModuleType("tg_test_user_with_lazy")
+    user.proxy = _LazyProxy()
+    user.s = 2.0
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    name = "tg_test_user_with_lazy"
+    f = lambda v: jnp.sum(v**2) * getattr(sys.modules[name], "s")  # noqa: B009
+    np.testing.assert_allclose(tg.gradient(f, w)[0], 4 * w)
+    user.s = 3.0
+    np.testing.assert_allclose(tg.gradient(f, w)[0], 6 * w)

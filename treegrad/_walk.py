@@ -137,6 +137,7 @@ class Walk:
         self.consumed: list[Any] = []
         self.numpy_seen = False  # a module of numpy reached: `np.random.rand` may be read
         self.labels: dict[int, str] = {}  # readable paths of absolute roots (`_held`)
+        self.sys_modules: list[Modules] = []  # nodes of `sys.modules` (`_modules_grown`)
 
     def root(self, value: Any) -> Node:
         """The function being compiled: walked even when a library defined it (a closure
@@ -231,6 +232,7 @@ class Walk:
                     done[key].add(name)
                     changed = True
             changed = self._walk_pending() or changed
+            changed = self._modules_grown() or changed
         for p in self.pending:
             p.node.skipped = [k for k in p.dict or () if k not in p.done]
         for key, k in self.keyed.items():
@@ -625,10 +627,26 @@ class Walk:
     def _modules(self, modules: dict[Any, Any]) -> Node:
         """`sys.modules`, however reached: the user modules in it, by name."""
         node = Modules(len(modules), [])
+        self.sys_modules.append(node)
         for name, module in list(modules.items()):
             if isinstance(name, str) and not is_library_module(name):
                 node.items.append((name, self.node(module, f"sys.modules[{name!r}]")))
         return node
+
+    def _modules_grown(self) -> bool:
+        """Modules imported while walking (a library's attribute loaded lazily, on first
+        read): their size is the one checked, and a user module among them is walked."""
+        grew = False
+        for node in self.sys_modules:
+            if node.size == len(sys.modules):
+                continue
+            named = {name for name, _ in node.items}
+            for name, module in list(sys.modules.items()):
+                if isinstance(name, str) and name not in named and not is_library_module(name):
+                    node.items.append((name, self.node(module, f"sys.modules[{name!r}]")))
+                    grew = True
+            node.size = len(sys.modules)
+        return grew
 
     def _library(self, obj: Any) -> None:
         """Library code the function may call, or an object of a library's: unless the
