@@ -2,9 +2,9 @@
 
 `nox -s tests_newest` runs every test on the newest jax and jaxlib, on each of
 Python 3.12 and 3.13 found (jax 0.11 and later need Python >= 3.12); `.ci/run`
-runs it when such an interpreter exists, in parallel (`-- -n auto`, pytest-xdist):
-every test on the first; on the next, the default selection (`-- -m "not slow and not
-docs"`) of the engine's tests, which read the interpreter's bytecode and frames.
+runs it when such an interpreter exists, in parallel (`-- -n auto`, pytest-xdist),
+each test once: the default selection of the engine's tests (marked `engine`: they
+read the interpreter's bytecode and frames) on both, every other test on the first.
 """
 
 import nox
