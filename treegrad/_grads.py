@@ -46,6 +46,11 @@ def _check_scalar(c: Any, how: str) -> None:
     )
 
 
+def _same_kind(a: Any, b: Any) -> bool:
+    """Whether two arrays could be one parameter before and after an update."""
+    return bool(a.shape == b.shape and a.dtype == b.dtype)
+
+
 class Grads(Mapping[Any, Any]):
     """Gradients looked up by the parameter array itself: `grads[W]`.
 
@@ -168,12 +173,25 @@ class Grads(Mapping[Any, Any]):
             f"cannot combine Grads over different parameter sets ({len(self)} and "
             f"{len(other)} parameters)"
         )
-        replaced = sorted(set(only_self) & set(only_other))
+        first = dict(zip(self._names_list, self._params, strict=True))
+        second = dict(zip(other._names_list, other._params, strict=True))
+        in_other = set(only_other)
+        named_alike = [n for n in only_self if n in in_other]
+        # One name, two arrays: the same parameter replaced between the two calls only
+        # when the arrays could be one parameter's old and new value.
+        replaced = [n for n in named_alike if _same_kind(first[n], second[n])]
         if replaced:
             msg += (
                 f": '{replaced[0]}' is a different array in each (it was replaced, by "
                 "tg.update_ or an assignment, between the two gradient calls). Combine "
                 "gradients taken for the same arrays, e.g. before the update."
+            )
+        elif named_alike:
+            n = named_alike[0]
+            msg += (
+                f": '{n}' is a {describe_leaf(first[n])} array in the first and a "
+                f"{describe_leaf(second[n])} array in the second, not the same parameter. "
+                "Take both for the same tg.params."
             )
         else:
             if only_self:

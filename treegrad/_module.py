@@ -109,6 +109,12 @@ class _Static:
                 h.append((k, type(v).__name__))
         self._hash = hash((names, tuple(h)))
 
+    def __reduce__(self) -> tuple[type[_Static], tuple[Any, ...]]:
+        # Rebuilt from what it was made of: `children` is a closure, which pickle
+        # cannot write, and a Module keeps its split in `_tg_aux` (pickled with it,
+        # so a Module built by unflatten keeps its children, whatever they hold).
+        return _Static, (self.names, self.items)
+
     def __hash__(self) -> int:
         return self._hash
 

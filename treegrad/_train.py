@@ -24,7 +24,7 @@ from ._gradient import withgradient
 from ._grads import Grads
 from ._jit import jit
 from ._optim import OptState, update, update_
-from ._params import Params
+from ._params import Params, trainable_leaves_with_path
 from ._paths import rebind
 from ._shard import DATA, shard_batch
 from ._tree import describe_leaf, path_str
@@ -91,10 +91,13 @@ class StepInfo(NamedTuple):
 def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ...]) -> Any:
     value, (g,) = withgradient(lambda m: loss(m, *batch), model)
     _check_scalar(value)
-    state, model = update(state, model, g)
+    new_state, new_model = update(state, model, g)
     # The new model too: an update can overflow finite gradients (a learning rate
-    # too large), and that model must not be kept as the last good one.
-    return state, model, value, _finite(g) & _finite(model)
+    # too large), and that model must not be kept as the last good one. Only what
+    # the optimiser trains is checked: a buffer outside `__trainable__` may hold
+    # -inf (an attention mask) or have a NaN gradient that nothing uses.
+    ok = _finite(_trainable(g)) & _stayed_finite(_trainable(model), _trainable(new_model))
+    return new_state, new_model, value, ok
 
 
 def _check_scalar(value: Any) -> None:
@@ -116,6 +119,25 @@ def _finite(tree: Any) -> Any:
     return jnp.all(jnp.array(checks)) if checks else jnp.array(True)
 
 
+def _trainable(tree: Any) -> list[Any]:
+    """The leaves of `tree` at the places the optimiser trains (`__trainable__`)."""
+    return [x for _, x in trainable_leaves_with_path(tree)]
+
+
+def _stayed_finite(before: list[Any], after: list[Any]) -> Any:
+    """Whether no element of the parameters went from finite to NaN or infinite.
+
+    A parameter that was already infinite where the update leaves it (a -inf mask
+    among the trainable arrays, with a zero gradient there) is not the update's doing.
+    """
+    checks = [
+        jnp.all(jnp.isfinite(new) | ~jnp.isfinite(old))
+        for old, new in zip(before, after, strict=True)
+        if isinstance(new, jax.Array) and jnp.issubdtype(new.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.array(checks)) if checks else jnp.array(True)
+
+
 def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable[..., Any]:
     """Flux's `train!(loss, ps, data, opt)` step: the model is updated in place.
 
@@ -126,9 +148,11 @@ def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable
     def step(batch: tuple[Any, ...]) -> Any:
         value, grads = withgradient(lambda: loss(*batch), ps)
         _check_scalar(value)
+        before = list(ps)
         update_(state, ps, grads)
         ok = _finite([g for g in cast(Grads, grads).values() if g is not None])
-        return value, jnp.stack([ok, _finite(list(ps))])  # the updated parameters too
+        after = list(ps)  # the updated parameters too
+        return value, jnp.stack([ok, _stayed_finite(before, after)])
 
     return jit(step)
 
@@ -138,7 +162,7 @@ def _nonfinite_gradients(loss: Callable[..., Any], model: Any, batch: tuple[Any,
     _, (g,) = withgradient(lambda m: loss(m, *batch), model)
     return [
         path_str(p) or "<root>"
-        for p, x in jax.tree_util.tree_flatten_with_path(g)[0]
+        for p, x in trainable_leaves_with_path(g)
         if not bool(jnp.all(jnp.isfinite(x)))
     ]
 

@@ -175,19 +175,43 @@ def _integer_labels(api: str, what: str, x: Any, y: Any) -> bool:
     return False
 
 
+_EPS = 1e-7
+
+
+def _eps(x: Any, eps: float | None) -> Any:
+    """The `eps` of a probability loss: as given, or by default 1e-7 where `x`'s dtype
+    resolves it, else that dtype's machine epsilon (Flux's `epseltype`).
+
+    In bfloat16 and float16, `1 - 1e-7` rounds to 1 (the clip then keeps p = 1 and
+    the loss is infinite) and 1e-7 is below the smallest normal float16 (a subnormal,
+    flushed to 0 where the hardware flushes them); float32 and float64 keep 1e-7.
+    """
+    if eps is not None:
+        return eps
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return _EPS
+    info = jnp.finfo(dtype)
+    if float(info.tiny) > _EPS or float(np.asarray(1 - _EPS, dtype)) == 1.0:
+        return float(info.eps)
+    return _EPS
+
+
 def _logitcrossentropy(api: str, what: str, logits: Any, y: Any) -> Any:
     if _integer_labels(api, what, logits, y):
         return jnp.mean(optax.losses.softmax_cross_entropy_with_integer_labels(logits, y))
     return jnp.mean(optax.losses.softmax_cross_entropy(logits, y))
 
 
-def crossentropy(probs: Any, y: Any, eps: float = 1e-7) -> Any:
+def crossentropy(probs: Any, y: Any, eps: float | None = None) -> Any:
     """Cross-entropy from probabilities (on logits, `logitcrossentropy` is stabler).
 
     Arguments:
         probs: class probabilities, classes on the last axis.
         y: integer labels, or one-hot targets.
-        eps: probabilities below `eps` are raised to it before the log.
+        eps: probabilities below `eps` are raised to it before the log. Default:
+            1e-7, or the machine epsilon of `probs`'s dtype where that dtype cannot
+            resolve 1e-7 (bfloat16: 2**-7, float16: 2**-10), as Flux's `epseltype`.
 
     Returns:
         A scalar.
@@ -204,6 +228,7 @@ def crossentropy(probs: Any, y: Any, eps: float = 1e-7) -> Any:
     # Raised to eps with `where`, not clipped to [eps, 1]: at a probability of exactly
     # 1 (or eps), a clip's tie would halve the gradient of the log.
     probs = jnp.asarray(probs)
+    eps = _eps(probs, eps)
     logp = jnp.log(jnp.where(probs < eps, eps, probs))
     if integer:
         picked = jnp.take_along_axis(logp, jnp.asarray(y)[..., None], axis=-1)[..., 0]
@@ -230,13 +255,16 @@ def logitbinarycrossentropy(logits: Any, y: Any) -> Any:
     return jnp.mean(optax.losses.sigmoid_binary_cross_entropy(logits, y))
 
 
-def binarycrossentropy(p: Any, y: Any, eps: float = 1e-7) -> Any:
+def binarycrossentropy(p: Any, y: Any, eps: float | None = None) -> Any:
     """Binary cross-entropy from probabilities.
 
     Arguments:
         p: probabilities of the positive class.
         y: labels in [0, 1], shaped like `p`.
-        eps: probabilities are clipped to `[eps, 1 - eps]`.
+        eps: probabilities are clipped to `[eps, 1 - eps]`. Default: 1e-7, or the
+            machine epsilon of `p`'s dtype where that dtype cannot resolve 1e-7
+            (bfloat16: 2**-7, float16: 2**-10; there `1 - 1e-7` rounds to 1 and a
+            saturated probability would give an infinite loss), as Flux's `epseltype`.
 
     Returns:
         A scalar.
@@ -247,5 +275,6 @@ def binarycrossentropy(p: Any, y: Any, eps: float = 1e-7) -> Any:
         0.6931
     """
     _pair("tg.losses.binarycrossentropy", p, y, ("p", "y"))
+    eps = _eps(p, eps)
     p = jnp.clip(p, eps, 1.0 - eps)
     return jnp.mean(optax.losses.sigmoid_binary_cross_entropy(jnp.log(p) - jnp.log1p(-p), y))
