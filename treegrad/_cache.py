@@ -27,7 +27,8 @@ from ._engine import NUMPY_VALUES, Entry, Refit, values_mode
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
-from ._tree import user_stacklevel
+from ._programs import CALL
+from ._tree import describe_leaf, user_stacklevel
 from ._walk import _SLOT_NAMES, describe
 
 
@@ -117,6 +118,8 @@ def execute(
     if make is None:
         make = functools.partial(Entry, program, api, options, params=params)
     entry, out = _new(make, call, params)
+    if program != CALL and call.a_statics is not None:
+        _warn_opaque_argument(entry, roots[0])
     if entry.cacheable:
         _remember(recent_key, call, _store(call.key, entry))
     else:
@@ -251,24 +254,30 @@ def _warn_hidden(entry: Entry, f: Any) -> None:
     if not _first(f, "hidden"):
         return
     what = ", ".join(entry.hidden[:5])
-    holder = next((x for x in entry.a_statics or () if _holds_arrays(x)), None)
-    if holder is not None:
-        # The arrays come in through an argument that is not a pytree: a leaf of its own,
-        # so no gradient either (the classic silent None); say which and how to fix it.
-        name = type(holder).__name__
-        _say(
-            f"{entry.api}: an argument of {describe(f)} is a {name}, which is not a pytree: "
-            f"it is one leaf, not differentiated (its gradient is None), and the arrays it "
-            f"holds ({what}) are constants, so the function is re-traced on every call. Make "
-            f"{name} a tg.Module, or register it as a pytree (jax.tree_util.register_dataclass "
-            "for a dataclass), to differentiate its arrays; or pass them in a dict."
-        )
-        return
     _say(
         f"treegrad cannot cache {describe(f)}: it captures {len(entry.hidden)} array(s) "
         f"({what}) through objects it cannot see into, so it is re-traced on every call to "
         "stay correct. Pass these arrays as arguments, or hold them in a tg.Module, list, "
         "dict, plain object or a closure variable."
+    )
+
+
+def _warn_opaque_argument(entry: Entry, f: Any) -> None:
+    """A gradient's argument that is not a pytree but holds arrays (a plain dataclass):
+    jax takes it for one leaf, so its gradient is None, the classic silent None. Its
+    arrays are read as the function's captured ones (inputs, fresh); say which argument
+    and how to differentiate them, once."""
+    holder = next((x for x in entry.a_statics or () if _holds_arrays(x)), None)
+    if holder is None or not _first(f, "opaque"):
+        return
+    name = type(holder).__name__
+    what = ", ".join(describe_leaf(v) for v in _values(holder) if isinstance(v, jax.Array))
+    _say(
+        f"{entry.api}: an argument of {describe(f)} is a {name}, which is not a pytree: "
+        f"it is one leaf, not differentiated (its gradient is None), though it holds arrays "
+        f"({what}). Make {name} a tg.Module, or register it as a pytree "
+        "(jax.tree_util.register_dataclass for a dataclass), to differentiate its arrays; or "
+        "pass them in a dict."
     )
 
 
@@ -364,13 +373,17 @@ def _holds_arrays(x: Any) -> bool:
     """Whether a plain object (a static leaf of the arguments) holds arrays directly."""
     if x is DYN or isinstance(x, (type, types.FunctionType, str, bytes, int, float, complex)):
         return False
-    # Read past any __getattribute__ of the user's (the object is only looked at here).
+    return any(isinstance(v, jax.Array) for v in _values(x))
+
+
+def _values(x: Any) -> list[Any]:
+    """A plain object's attribute values, read past any __getattribute__ of the user's
+    (the object is only looked at here)."""
     try:
-        values = list(object.__getattribute__(x, "__dict__").values())
+        return list(object.__getattribute__(x, "__dict__").values())
     except AttributeError:  # no __dict__: a dataclass with slots, or a builtin value
         fields = getattr(type(x), "__dataclass_fields__", None) or {}
-        values = [_slot(x, name) for name in fields]
-    return any(isinstance(v, jax.Array) for v in values)
+        return [_slot(x, name) for name in fields]
 
 
 def _slot(x: Any, name: str) -> Any:
