@@ -301,3 +301,46 @@ def test_loading_keys_that_print_alike_shows_both(tmp_path):
         ValueError, match=r"the model has \['1'\] \(float32\[2\]\) but the checkpoint .* has \[1\]"
     ):
         tg.load(path, {"1": jnp.ones(2)})
+
+
+def test_a_sub_rule_assigned_inside_a_compiled_implicit_step_is_refused_state_kept():
+    # Once: the step returned normally, the model updated, and the state held the new
+    # part's leaves as tracers (UnexpectedTracerError at its next use).
+    m = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0])}
+    ps = tg.params(m)
+    st = tg.setup(optax.sgd(0.1), ps)
+    loss = lambda: jnp.sum(m["a"] ** 2) + jnp.sum(m["b"])
+
+    @tg.jit
+    def step():
+        st["a"] = tg.setup(optax.adam(0.5), m["a"])
+        tg.update_(st, ps, tg.gradient(loss, ps))
+
+    before_m, before_st = dict(m), jax.tree_util.tree_leaves(st)
+    msg = (
+        r"tg\.jit: the function changed the structure of an optimiser state it captures "
+        r"\(OptState: a rule assigned to a sub-state.*the state is left as it was\. Assign "
+        r"the rule before calling the compiled function"
+    )
+    with pytest.raises(TypeError, match=msg):
+        step()
+    assert all(m[k] is before_m[k] for k in m)  # nothing written back
+    assert jax.tree_util.tree_leaves(st) == before_st == []
+    assert len(st._config.parts) == 1  # no part of its own for a
+    # What the message says: the rule assigned once, outside; then the compiled step
+    # equals the uncompiled one.
+    st["a"] = tg.setup(optax.adam(0.5), m["a"])
+
+    @tg.jit
+    def step2():
+        tg.update_(st, ps, tg.gradient(loss, ps))
+
+    m2 = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0])}
+    ps2 = tg.params(m2)
+    st2 = tg.setup(optax.sgd(0.1), ps2)
+    st2["a"] = tg.setup(optax.adam(0.5), m2["a"])
+    for _ in range(2):
+        step2()
+        tg.update_(st2, ps2, tg.gradient(lambda: jnp.sum(m2["a"] ** 2) + jnp.sum(m2["b"]), ps2))
+    _leaves_equal(m, m2)
+    _leaves_equal(jax.tree_util.tree_leaves(st), jax.tree_util.tree_leaves(st2))

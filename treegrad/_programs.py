@@ -58,12 +58,20 @@ def trace(
         for node in entry.absolute:
             swap.put(node, None)
         with tracing(dyn, placed):
-            return _PROGRAMS[entry.program](entry, fns, dyn, *extra)
+            out = _PROGRAMS[entry.program](entry, fns, dyn, *extra)
     finally:
         swap.restore()
         swap.detrace(entry.rebound)
         entry.rebound = outer_rebound
         entry.placement = outer
+    if swap.reverted:
+        raise TypeError(
+            f"{entry.api}: the function changed the structure of an optimiser state it "
+            f"captures ({swap.reverted[0]}: a rule assigned to a sub-state, `state[...] = "
+            "tg.setup(...)`), which a compiled call cannot write back; the state is left as "
+            "it was. Assign the rule before calling the compiled function, once."
+        )
+    return out
 
 
 def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -> Any:

@@ -51,7 +51,8 @@ from ._guard import (
     same_array,
 )
 from ._jaxpr import is_tracer
-from ._paths import rebind, rebind_value
+from ._paths import IN_PLACE, rebind, rebind_value
+from ._walk import slot_names
 
 
 class CannotSwap(TypeError):
@@ -87,6 +88,9 @@ class Swap:
         self.touched: list[tuple[Any, Any, Any]] = []  # (container, key, old) written
         # The numpy arrays read as values, by id, each with the copy the trace gets.
         self.copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Optimiser states whose structure the function changed, put back as they were
+        # (`_restore_tree`): such a trace cannot write them back, and is refused.
+        self.reverted: list[str] = []
 
     def restore(self) -> None:
         while self.undo:
@@ -301,6 +305,8 @@ class Swap:
         ]
         changed = {id(a): b for a, b in zip(leaves, new, strict=True) if a is not b}
         if not changed:
+            if type(v) in IN_PLACE:  # an optimiser state may gain traced leaves (a new rule)
+                self._log(lambda: _restore_tree(v, treedef, leaves, {}, self.reverted))
             return v
         try:
             rebind(v, changed)
@@ -310,7 +316,7 @@ class Swap:
         ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
         if self.record:
             self.originals.update(ours)
-        self._log(lambda: _restore_tree(v, treedef, leaves, ours))
+        self._log(lambda: _restore_tree(v, treedef, leaves, ours, self.reverted))
         return v
 
 
@@ -391,13 +397,17 @@ def _untrace(d: dict[str, Any], kept: list[tuple[str, Any]]) -> None:
             d[k] = old
 
 
-def _restore_tree(v: Any, treedef: Any, leaves: list[Any], ours: dict[int, Any]) -> None:
+def _restore_tree(
+    v: Any, treedef: Any, leaves: list[Any], ours: dict[int, Any], reverted: list[str]
+) -> None:
     """Put the original leaves back, whatever the trace did meanwhile, so no traced value
     stays in the user's model. A value put there for the trace (`ours`: by its id) goes
     back as the original wherever it is now: the function may have moved it (a layer
     popped from a list shifts the others). One the function rebound goes back by
     position, or, where it changed the structure (a static attribute it counts in, a
-    new attribute), by key path."""
+    new attribute), by key path. An optimiser state whose structure changed so that
+    traced leaves would stay (a rule assigned to a sub-state) is put back whole, as it
+    was, and named in `reverted`: the caller refuses the trace."""
     now, now_def = jax.tree_util.tree_flatten(v)
     if all(id(b) in ours or not is_tracer(b) for b in now):
         back = {id(b): ours[id(b)] for b in now if id(b) in ours}
@@ -413,6 +423,12 @@ def _restore_tree(v: Any, treedef: Any, leaves: list[Any], ours: dict[int, Any])
             a = before.get(k, MISSING)
             if a is not MISSING and a is not b:
                 back[id(b)] = a
+        if type(v) in IN_PLACE and any(is_tracer(b) and id(b) not in back for b in now):
+            old = jax.tree_util.tree_unflatten(treedef, leaves)
+            for name in slot_names(type(v)):
+                object.__setattr__(v, name, object.__getattribute__(old, name))
+            reverted.append(type(v).__name__)
+            return
     if back:
         rebind(v, back)
 
