@@ -194,6 +194,7 @@ class _LazyProxy:
         return object.__getattribute__(self, name)
 
 
+@pytest.mark.slow  # over ~1 s: every user module in sys.modules is walked
 def test_a_module_imported_while_sys_modules_is_walked(monkeypatch):
     # Once: the size of sys.modules was taken before the walk, which imported one
     # (a user module holding a lazy loader's object): "a new guard rejected its own
@@ -208,3 +209,15 @@ def test_a_module_imported_while_sys_modules_is_walked(monkeypatch):
     np.testing.assert_allclose(tg.gradient(f, w)[0], 4 * w)
     user.s = 3.0
     np.testing.assert_allclose(tg.gradient(f, w)[0], 6 * w)
+
+
+def test_an_installed_namespace_package_is_library_code():
+    # mpl_toolkits (matplotlib's) has no __file__: it was taken for the user's, and a
+    # function reading sys.modules by a computed name walked all of matplotlib's
+    # 3-d axes through it (20 s of the default test run).
+    import mpl_toolkits
+
+    from treegrad._guard import is_library_module
+
+    assert getattr(mpl_toolkits, "__file__", None) is None
+    assert is_library_module("mpl_toolkits")

@@ -124,8 +124,10 @@ def is_library_module(name: Any) -> bool:
 def _installed(name: str) -> bool:
     """A module of an installed package (site-packages): library code, not the user's."""
     module = sys.modules.get(name.partition(".")[0])
-    path = getattr(module, "__file__", None) or ""
-    return "site-packages" in path or "dist-packages" in path
+    # A namespace package (`mpl_toolkits`, which matplotlib installs) has no __file__,
+    # only its folders.
+    paths = [getattr(module, "__file__", None) or "", *getattr(module, "__path__", ())]
+    return any(isinstance(p, str) and ("site-packages" in p or "dist-packages" in p) for p in paths)
 
 
 def _is_library(obj: Any) -> bool:
