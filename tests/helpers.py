@@ -70,3 +70,11 @@ def restore_own_entries(rule, old, new, skip):
     assert len(marks) == len(new_leaves)
     merged = [o if m else n for m, n, o in zip(marks, new_leaves, old_leaves, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, merged)
+
+
+def assert_leaves_equal(a, b):
+    """The same number of leaves, each bit-identical."""
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

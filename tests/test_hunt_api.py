@@ -31,7 +31,7 @@ from optax import contrib
 import treegrad as tg
 from treegrad import nn
 
-from .helpers import restore_own_entries
+from .helpers import assert_leaves_equal, restore_own_entries
 
 
 def close(a, b, tol=1e-6):
@@ -44,13 +44,6 @@ def trees_close(a, b, tol=1e-6):
     assert len(la) == len(lb), (ta, tb)
     for x, y in zip(la, lb, strict=True):
         close(x, y, tol)
-
-
-def leaves_equal(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _is_none(x):
@@ -211,7 +204,7 @@ def test_state_of_a_model_with_a_dotted_key_round_trips(tmp_path):
     state, model = tg.update(state, model, g)
     tg.save(tmp_path / "s", state)  # ValueError: two leaves have the same key path
     back = tg.load(tmp_path / "s", tg.setup(optax.adam(0.1), model))
-    leaves_equal(back, state)
+    assert_leaves_equal(back, state)
 
 
 def test_lbfgs_setup_equals_plain_optax_init():
@@ -221,7 +214,7 @@ def test_lbfgs_setup_equals_plain_optax_init():
     # tg.setup: IndexError: list index out of range, from the zoom line search's init
     # given optax.tree_map_params' placeholder (_optstate._map_param_subtrees).
     state = tg.setup(rule, model)
-    leaves_equal(state, ref)
+    assert_leaves_equal(state, ref)
 
 
 def test_rule_needing_extra_update_arguments_is_a_clear_error():
@@ -263,7 +256,7 @@ def test_pickling_an_optimiser_state_round_trips_or_points_at_tg_save():
         pickle.dumps(state)
     # what the message offers works: the leaves pickle, and tg.save/tg.load round-trip
     back = pickle.loads(pickle.dumps(jax.tree_util.tree_leaves(state)))
-    leaves_equal(back, jax.tree_util.tree_leaves(state))
+    assert_leaves_equal(back, jax.tree_util.tree_leaves(state))
 
 
 # ======================================================================================
@@ -835,7 +828,7 @@ def test_save_load_mid_run_with_a_split_frozen_state_continues_bitwise(tmp_path,
     for _ in range(2):
         state, model = step(state, model, ps)
         s2, m2 = step(s2, m2, ps2)
-    leaves_equal(m2, model)
-    leaves_equal(s2, state)
+    assert_leaves_equal(m2, model)
+    assert_leaves_equal(s2, state)
     close(m2["dec"], np.full(3, 0.9))  # frozen since the first step (adam: 1 - lr)
     assert float(s2["enc"]["w"].state[1].hyperparams["learning_rate"]) == pytest.approx(0.01)

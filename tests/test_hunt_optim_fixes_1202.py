@@ -26,14 +26,9 @@ from jax.flatten_util import ravel_pytree
 import treegrad as tg
 from treegrad import nn
 
+from .helpers import assert_leaves_equal
+
 SUB_IN_STEP = re.escape("inside a compiled step (tg.jit, jax.jit)")
-
-
-def _leaves_equal(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _no_tracers(state):
@@ -67,7 +62,7 @@ def test_adjust_of_a_shared_sub_state_inside_implicit_tg_jit_is_refused_cleanly(
         with pytest.raises(TypeError, match=r"tg\.adjust_ of the sub-state at 'a' inside a comp"):
             step(jnp.float32(0.5))
         assert _no_tracers(st) and len(st._config.parts) == 1
-        _leaves_equal(m, {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0])})
+        assert_leaves_equal(m, {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0])})
 
 
 def test_adjust_of_a_sub_state_with_its_own_part_inside_tg_jit_equals_uncompiled():
@@ -90,8 +85,8 @@ def test_adjust_of_a_sub_state_with_its_own_part_inside_tg_jit_equals_uncompiled
 
     for lr in lrs:
         step(jnp.float32(lr))
-    _leaves_equal(m, ref_m)
-    _leaves_equal(st, ref_st)
+    assert_leaves_equal(m, ref_m)
+    assert_leaves_equal(st, ref_st)
     # Closed form for a: a <- a - lr * 2a, each step.
     a = np.array([1.0, 2.0], np.float32)
     for lr in lrs:
@@ -121,7 +116,7 @@ def test_noop_sub_state_adjust_inside_jit_is_refused_not_split(compile_):
     ref = optax.apply_updates(M0, u)
     np.testing.assert_allclose(ref["a"], [3 - 3 / 13, 4 - 4 / 13], rtol=1e-6)
     _, m = _noop_step(tg.setup(CLIP(), M0), M0, 1.0)  # uncompiled: as plain optax
-    _leaves_equal(m, ref)
+    assert_leaves_equal(m, ref)
     with pytest.raises(TypeError, match=r"tg\.adjust of the sub-state at 'a' " + SUB_IN_STEP):
         compile_(_noop_step)(tg.setup(CLIP(), M0), M0, jnp.float32(1.0))
 
@@ -165,9 +160,9 @@ def test_none_gradient_keeps_adam_moments_beside_sm3_in_a_multi_transform():
     st2, m2 = tg.update(st, m, {"a": G2["a"], "b": None})
     adam = lambda s: s.inner_states["y"].inner_state[0]
     before, after = adam(st["b"].state), adam(st2["b"].state)
-    _leaves_equal((before.mu["b"], before.nu["b"]), (after.mu["b"], after.nu["b"]))
+    assert_leaves_equal((before.mu["b"], before.nu["b"]), (after.mu["b"], after.nu["b"]))
     assert int(after.count) == int(before.count) + 1  # shared: advances, as in optax
-    _leaves_equal(m2["b"], m["b"])
+    assert_leaves_equal(m2["b"], m["b"])
     # a: plain optax sm3 on a alone, two steps.
     sm3 = optax.sm3(0.1)
     pa, sa = {"a": P2["a"]}, sm3.init({"a": P2["a"]})
@@ -181,8 +176,8 @@ def test_none_gradient_keeps_sm3_accumulators_of_the_skipped_parameter():
     st, m = tg.update(tg.setup(optax.sm3(0.1), P2), P2, G2)
     before = jax.tree_util.tree_leaves(st["b"].state[0].nu["b"])
     st2, m2 = tg.update(st, m, {"a": G2["a"], "b": None})
-    _leaves_equal(before, jax.tree_util.tree_leaves(st2["b"].state[0].nu["b"]))
-    _leaves_equal(m2["b"], m["b"])
+    assert_leaves_equal(before, jax.tree_util.tree_leaves(st2["b"].state[0].nu["b"]))
+    assert_leaves_equal(m2["b"], m["b"])
 
 
 def test_flatten_keeps_a_skipped_parameters_slice_of_its_vector():
@@ -202,13 +197,13 @@ def test_flatten_keeps_a_skipped_parameters_slice_of_its_vector():
     new_s = jax.tree_util.tree_map(
         lambda o, n: jnp.where(mask, o, n) if n.shape == mask.shape else n, ref_s, new_s
     )
-    _leaves_equal(jax.tree_util.tree_leaves(st2), jax.tree_util.tree_leaves(new_s))
-    _leaves_equal(m2["b"], m["b"])
+    assert_leaves_equal(jax.tree_util.tree_leaves(st2), jax.tree_util.tree_leaves(new_s))
+    assert_leaves_equal(m2["b"], m["b"])
     np.testing.assert_allclose(m2["a"], optax.apply_updates(m, u)["a"], rtol=1e-6)
     # Frozen: the same.
     tg.freeze_(st["b"])
     st3, _ = tg.update(st, m, G2)
-    _leaves_equal(jax.tree_util.tree_leaves(st3), jax.tree_util.tree_leaves(new_s))
+    assert_leaves_equal(jax.tree_util.tree_leaves(st3), jax.tree_util.tree_leaves(new_s))
 
 
 def test_flatten_on_a_sub_model_of_its_own_can_be_frozen_and_matches_optax():
@@ -220,7 +215,7 @@ def test_flatten_on_a_sub_model_of_its_own_can_be_frozen_and_matches_optax():
     kept = jax.tree_util.tree_leaves(st["b"].state)
     tg.freeze_(st["b"])
     st, model = tg.update(st, model, G2)
-    _leaves_equal(jax.tree_util.tree_leaves(st["b"].state)[1:], kept[1:])
+    assert_leaves_equal(jax.tree_util.tree_leaves(st["b"].state)[1:], kept[1:])
     # a: plain optax adam on a alone.
     adam = optax.adam(0.1)
     pa, sa = {"a": P2["a"]}, adam.init({"a": P2["a"]})
@@ -240,7 +235,7 @@ def test_save_of_params_is_refused_and_leaves_the_previous_checkpoint(tmp_path):
     tg.save(path, model)
     with pytest.raises(TypeError, match=r"tg\.save: got a tg\.Params.*tg\.save\(path, model\)"):
         tg.save(path, tg.params(nn.Dense(2, 2, key=jax.random.key(1))))
-    _leaves_equal(tg.load(path, nn.Dense(2, 2, key=jax.random.key(2))), model)
+    assert_leaves_equal(tg.load(path, nn.Dense(2, 2, key=jax.random.key(2))), model)
     with pytest.raises(TypeError, match=r"tg\.load: got a tg\.Params.*tg\.save\(path, model\)"):
         tg.load(path, tg.params(model))
 
@@ -274,7 +269,7 @@ def test_frozen_flags_survive_a_checkpoint_and_the_run_resumes_bit_for_bit(tmp_p
     assert st2[0].weight.frozen and not st2[1].weight.frozen
     assert like_st[1].weight.frozen and not like_st[0].weight.frozen  # `like` unchanged
     st2, m2 = steps(st2, m2, 2)
-    _leaves_equal((ref_m, ref_st), (m2, st2))
+    assert_leaves_equal((ref_m, ref_st), (m2, st2))
     np.testing.assert_array_equal(m2[0].weight, m[0].weight)  # frozen: never moved
 
 
@@ -342,5 +337,5 @@ def test_a_sub_rule_assigned_inside_a_compiled_implicit_step_is_refused_state_ke
     for _ in range(2):
         step2()
         tg.update_(st2, ps2, tg.gradient(lambda: jnp.sum(m2["a"] ** 2) + jnp.sum(m2["b"]), ps2))
-    _leaves_equal(m, m2)
-    _leaves_equal(jax.tree_util.tree_leaves(st), jax.tree_util.tree_leaves(st2))
+    assert_leaves_equal(m, m2)
+    assert_leaves_equal(jax.tree_util.tree_leaves(st), jax.tree_util.tree_leaves(st2))
