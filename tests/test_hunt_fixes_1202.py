@@ -322,3 +322,27 @@ def test_adding_grads_across_an_update_still_says_replaced():
     g3 = tg.gradient(lambda: jnp.sum(W) + jnp.sum(b3).astype(jnp.float32), tg.Params([W, b3]))
     with pytest.raises(ValueError, match=r"'1' is a float32\[2\] array in the first and a "):
         g1 + g3
+
+
+@pytest.mark.parametrize("loss", ["logitcrossentropy", "crossentropy"])
+@pytest.mark.parametrize("label", [-1, -3, 3])
+def test_an_integer_label_out_of_range_is_an_error_or_nan_when_traced(loss, label):
+    # Once: -1 silently scored the last class (optax counts from the end), 3 gave NaN.
+    fn = getattr(tg.losses, loss)
+    x = jnp.array([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]])
+    y = jnp.array([0, label])
+    with pytest.raises(
+        ValueError,
+        match=rf"tg\.losses\.{loss}: label {label} is out of range: .* has 3 classes, "
+        r"labels go from 0 to 2",
+    ):
+        fn(x, y)
+    # Traced (under jax.jit), it cannot be checked: that row's loss is NaN, so the mean is.
+    assert np.isnan(float(jax.jit(fn)(x, y)))
+    ok = jnp.array([0, 2])
+    np.testing.assert_allclose(jax.jit(fn)(x, ok), fn(x, ok), rtol=1e-6)
+    if loss == "logitcrossentropy":
+        ref = optax.losses.softmax_cross_entropy_with_integer_labels(x, ok).mean()
+    else:
+        ref = -jnp.mean(jnp.log(x[jnp.arange(2), ok]))
+    np.testing.assert_allclose(fn(x, ok), ref, rtol=1e-6)

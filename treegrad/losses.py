@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._jaxpr import is_tracer
+
 __all__ = [
     "binarycrossentropy",
     "crossentropy",
@@ -165,6 +167,16 @@ def _integer_labels(api: str, what: str, x: Any, y: Any) -> bool:
                 f"give one class index per row, shape {shape[:-1]} "
                 f"(e.g. y.reshape({shape[:-1]}))."
             )
+        if not is_tracer(y) and np.size(y):
+            # A label out of range would pick another class (-1: the last) or give NaN.
+            # Traced, it cannot be checked here: `_out_of_range` makes its loss NaN.
+            values = np.asarray(y)
+            low, high = int(values.min()), int(values.max())
+            if low < 0 or high >= shape[-1]:
+                raise ValueError(
+                    f"{api}: label {high if high >= shape[-1] else low} is out of range: "
+                    f"{what} has {shape[-1]} classes, labels go from 0 to {shape[-1] - 1}."
+                )
         return True
     if ys != shape:
         raise ValueError(
@@ -199,8 +211,15 @@ def _eps(x: Any, eps: float | None) -> Any:
 
 def _logitcrossentropy(api: str, what: str, logits: Any, y: Any) -> Any:
     if _integer_labels(api, what, logits, y):
-        return jnp.mean(optax.losses.softmax_cross_entropy_with_integer_labels(logits, y))
+        losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
+        return jnp.mean(_out_of_range(losses, y, np.shape(logits)[-1]))
     return jnp.mean(optax.losses.softmax_cross_entropy(logits, y))
+
+
+def _out_of_range(values: Any, y: Any, n: int) -> Any:
+    """NaN where a traced label is out of range (negative ones would count from the end)."""
+    y = jnp.asarray(y)
+    return jnp.where((y < 0) | (y >= n), jnp.nan, values)
 
 
 def crossentropy(probs: Any, y: Any, eps: float | None = None) -> Any:
@@ -232,7 +251,7 @@ def crossentropy(probs: Any, y: Any, eps: float | None = None) -> Any:
     logp = jnp.log(jnp.where(probs < eps, eps, probs))
     if integer:
         picked = jnp.take_along_axis(logp, jnp.asarray(y)[..., None], axis=-1)[..., 0]
-        return -jnp.mean(picked)
+        return -jnp.mean(_out_of_range(picked, y, probs.shape[-1]))
     return -jnp.mean(jnp.sum(y * logp, axis=-1))
 
 
