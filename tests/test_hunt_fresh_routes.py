@@ -8,6 +8,7 @@ under `jax.disable_jit`); trace counters check that nothing unchanged re-traces.
 import builtins
 import enum
 import functools
+import importlib
 import sys
 import types
 
@@ -221,3 +222,18 @@ def test_an_installed_namespace_package_is_library_code():
 
     assert getattr(mpl_toolkits, "__file__", None) is None
     assert is_library_module("mpl_toolkits")
+
+
+@pytest.mark.parametrize("how", ["import_module", "__import__"])
+def test_a_module_found_by_import_module_is_read_fresh(how, monkeypatch):
+    # Once: importlib.import_module("cfg").s was read by the first trace only.
+    cfg = types.ModuleType("tg_test_cfg_by_import")
+    cfg.s = 2.0
+    monkeypatch.setitem(sys.modules, cfg.__name__, cfg)
+    ns = {"jnp": jnp, "importlib": importlib}
+    call = {"import_module": "importlib.import_module", "__import__": "__import__"}[how]
+    f = eval(f"lambda v: jnp.sum(v**2) * {call}('tg_test_cfg_by_import').s", ns)
+    for s in (2.0, 3.0, -1.0):
+        cfg.s = s
+        np.testing.assert_allclose(tg.gradient(f, w)[0], reference(f, w), rtol=1e-6)
+        np.testing.assert_allclose(tg.gradient(f, w)[0], 2 * w * s, rtol=1e-6)

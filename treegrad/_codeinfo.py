@@ -34,6 +34,8 @@ class _CodeInfo:
     every instance attribute of the objects it reaches counts as read.
     `all_globals`: it reads its globals by name (`globals()`, `eval`, `exec`, a
     frame's `f_globals`), so any of them may be read.
+    `imports`: the module names its strings spell when it calls `import_module` or
+    `__import__` (`importlib.import_module("cfg").s`: that module is read).
     `in_place`: it calls one of numpy's in-place methods and drops the result
     (`order.sort()`, `np.random.shuffle(order)`, `buf.fill(0)`), or applies an
     in-place operator to a local name bound to a value it read from elsewhere
@@ -41,14 +43,15 @@ class _CodeInfo:
     a jax tracer cannot stand in for (`_walk.Walk.as_values`).
     """
 
-    __slots__ = ("all_globals", "attrs", "dynamic", "globals", "in_place", "reads")
+    __slots__ = ("all_globals", "attrs", "dynamic", "globals", "imports", "in_place", "reads")
 
     def __init__(self, code: types.CodeType):
         names: dict[str, None] = {}
         attrs: set[str] = set()
         reads: set[str] = set()
-        dynamic = in_place = by_global_name = False
+        dynamic = in_place = by_global_name = imports = False
         words: set[str] = set()  # the identifiers its string constants spell
+        modules: set[str] = set()  # its string constants that could name a module
         stack = [code]
         while stack:
             c = stack.pop()
@@ -68,6 +71,8 @@ class _CodeInfo:
                     # `b += 1` on such a name: numpy adds into the array `b` is (a
                     # captured one, maybe); on a tracer it rebinds `b` only.
                     in_place = True
+                if op.argval in _IMPORTS and name in _LOADS:
+                    imports = True
                 if name in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
                     names[op.argval] = None
                     by_global_name = by_global_name or op.argval in _READS_GLOBALS_BY_NAME
@@ -94,6 +99,7 @@ class _CodeInfo:
                     words.update(_IDENTIFIER.findall(k))
                     if all(part.isidentifier() for part in k.split(".")):
                         reads.update(k.split("."))
+                        modules.add(k)
                     elif "{" in k:  # a format string: "{0.scale}".format(cfg)
                         reads.update(_FORMAT_ATTRIBUTE.findall(k))
         if by_global_name:
@@ -102,6 +108,7 @@ class _CodeInfo:
             # at run time (`all_globals`, `_walk`).
             names.update(dict.fromkeys(sorted(words - names.keys())))
         self.all_globals = by_global_name
+        self.imports = frozenset(modules) if imports else frozenset()
         self.globals = tuple(names)
         self.attrs = frozenset(attrs)
         self.reads = frozenset(reads)
@@ -110,6 +117,8 @@ class _CodeInfo:
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_IMPORTS = frozenset({"import_module", "__import__"})
+_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD"})
 # Names whose use reads the function's globals by a name its code spells as a string.
 _READS_GLOBALS_BY_NAME = frozenset({"globals", "eval", "exec", "f_globals", "__globals__"})
 _FORMAT_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)(?=[^{}]*\})")

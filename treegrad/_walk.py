@@ -498,6 +498,11 @@ class Walk:
             # objects (vmap's own closure); guard it as a root of its own.
             self.fixed(inner)
         info = code_info(fn.__code__)
+        for name in info.imports:
+            # `importlib.import_module("cfg").s`: the user module it names, if imported.
+            module = sys.modules.get(name)
+            if type(module) is types.ModuleType and not is_library_module(name):
+                self.node(module, name)
         self.attr_names.update(info.attrs)
         self.read_names.update(info.reads)
         self.dynamic = self.dynamic or info.dynamic
