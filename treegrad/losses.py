@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._jaxpr import is_tracer
+from ._jaxpr import is_tracer as _is_tracer
 
 __all__ = [
     "binarycrossentropy",
@@ -167,7 +167,7 @@ def _integer_labels(api: str, what: str, x: Any, y: Any) -> bool:
                 f"give one class index per row, shape {shape[:-1]} "
                 f"(e.g. y.reshape({shape[:-1]}))."
             )
-        if not is_tracer(y) and np.size(y):
+        if not _is_tracer(y) and np.size(y):
             # A label out of range would pick another class (-1: the last) or give NaN.
             # Traced, it cannot be checked here: `_out_of_range` makes its loss NaN.
             values = np.asarray(y)
