@@ -556,6 +556,7 @@ def few_user_modules(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
 
 
+@pytest.mark.slow  # over ~1 s: every user module in sys.modules is walked
 @pytest.mark.usefixtures("few_user_modules")
 def test_the_calling_module_read_through_sys_modules(monkeypatch):
     f = lambda v: jnp.sum(v) * sys.modules[__name__].SCALE
