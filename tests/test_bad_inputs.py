@@ -524,6 +524,12 @@ ROWS = [
     ),
     row("save-deleted-array", _deleted, ValueError, r"'w' has been deleted \(donated"),
     row(
+        "save-params",
+        lambda c: tg.save(c.tmp / "p", tg.params(c.model)),
+        TypeError,
+        r"tg\.save: got a tg\.Params, .* Save the model it was built from, tg\.save\(path, model\)",
+    ),
+    row(
         "load-missing",
         lambda c: tg.load(c.tmp / "nope", c.model),
         FileNotFoundError,
@@ -601,6 +607,19 @@ ROWS = [
         lambda c: tg.losses.logitcrossentropy(jnp.ones((4, 3)), jnp.zeros((4, 1), jnp.int32)),
         ValueError,
         r"integer labels y of shape \(4, 1\).*logits of shape \(4, 3\).*\(4,\)",
+    ),
+    row(
+        "logitcrossentropy-label-negative",
+        lambda c: tg.losses.logitcrossentropy(jnp.ones((2, 3)), jnp.array([0, -1])),
+        ValueError,
+        r"tg\.losses\.logitcrossentropy: label -1 is out of range: logits has 3 classes, "
+        r"labels go from 0 to 2",
+    ),
+    row(
+        "crossentropy-label-too-large",
+        lambda c: tg.losses.crossentropy(jnp.ones((2, 3)) / 3, jnp.array([3, 0])),
+        ValueError,
+        r"tg\.losses\.crossentropy: label 3 is out of range: probs has 3 classes",
     ),
     row(
         "logitcrossentropy-target-shape",
