@@ -62,11 +62,19 @@ def _styled(f: Any, api: str, args: tuple[Any, ...]) -> Params | None:
 
 def _check_style_once(f: Any, api: str, args: tuple[Any, ...], ps: Params | None) -> None:
     if not args:
+        implicit = (
+            ""  # tg.hessian has no implicit style
+            if api == "tg.hessian"
+            else f"; implicit style: {api}(lambda: loss(model, x, y), tg.params(model))"
+        )
         raise TypeError(
             f"{api} got no argument to differentiate with respect to. Explicit style: "
-            f"{api}(lambda m: loss(m, x, y), model); implicit style: "
-            f"{api}(lambda: loss(model, x, y), tg.params(model))."
+            f"{api}(lambda m: loss(m, x, y), model){implicit}."
         )
+    if ps is None:
+        # Into each argument only once per code object: a callable without one (a
+        # partial) comes here on every call, where walking the model would cost.
+        _no_params_among(api, args, deep=hasattr(f, "__code__"))
     n = _positional_arity(f)
     if n is None:
         return
@@ -97,6 +105,28 @@ def _check_style_once(f: Any, api: str, args: tuple[Any, ...], ps: Params | None
             f"{api}: {_describe(f)} takes {n} positional argument(s) but was given "
             f"{len(args)}; gradient passes each argument after the function to it."
         )
+
+
+def _no_params_among(api: str, args: tuple[Any, ...], deep: bool) -> None:
+    """Refuse a `Params` or `Grads` given with other arguments, or inside one (`deep`):
+    not a pytree, it would be a leaf of explicit mode, and its gradient a silent None."""
+    for k, arg in enumerate(args):
+        for leaf in jax.tree_util.tree_leaves(arg) if deep else (arg,):
+            if type(leaf) is Params:
+                where = "" if leaf is arg else f" inside argument {k} ({type(arg).__name__})"
+                raise TypeError(
+                    f"{api}: a tg.Params is passed{where} among {len(args)} argument(s), so "
+                    "it would be an explicit-mode argument, which has no gradient (None). "
+                    f"Implicit style takes the Params as the only argument and a function of "
+                    f"none: {api}(lambda: loss(model, x, y), ps); explicit style takes the "
+                    f"model itself: {api}(lambda m: loss(m, x, y), model)."
+                )
+            if type(leaf) is Grads:
+                raise TypeError(
+                    f"{api}: a tg.Grads is passed as (part of) argument {k}; it is keyed by "
+                    "parameter arrays, and differentiating with respect to it is not "
+                    "supported. Pass grads.to_tree(model) or grads.named() (a dict of arrays)."
+                )
 
 
 def _positional_arity(f: Any) -> int | None:
@@ -404,9 +434,10 @@ def pullback(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, Pullback]:
         _, packed, back = call.out
         arrays, paths = call.arrays, call.paths
         none = Grads(arrays, [None] * len(arrays), paths)
-        return packed.value(), Pullback(
-            back, packed, lambda g: Grads(arrays, call.place(g), paths), none
-        )
+        pb = Pullback(back, packed, lambda g: Grads(arrays, call.place(g), paths), none)
+        if any(map(_jaxpr.is_tracer, arrays)):
+            P.made_implicit_back(pb)  # keyed by tracers: must not leave their trace
+        return packed.value(), pb
     entry, (_, packed, back) = _explicit(P.PULLBACK, "tg.pullback", f, args, ())
     active = entry.active
 

@@ -84,14 +84,23 @@ def trainable_leaves_with_path(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
             if _restricted(leaf) and not (leaf is node and not path):
                 walk(leaf, full)
             elif _restricted(leaf):
+                # A name in `__trainable__` whose attribute is static (`scale = 2.0`)
+                # holds no leaves of the tree: walked, its value came back as one.
+                children = _child_names(leaf)
                 for name in type(leaf).__trainable__ or ():
-                    if name in leaf.__dict__:
+                    if name in children:
                         walk(leaf.__dict__[name], (*full, jax.tree_util.GetAttrKey(name)))
             else:
                 out.append((full, leaf))
 
     walk(tree, ())
     return out
+
+
+def _child_names(module: Module) -> set[str]:
+    """The attributes of `module` that are pytree children (the others are static)."""
+    level = jax.tree_util.tree_flatten_with_path(module, is_leaf=lambda v: v is not module)[0]
+    return {path[0].name for path, _ in level if isinstance(path[0], jax.tree_util.GetAttrKey)}
 
 
 class Params:

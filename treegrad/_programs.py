@@ -17,9 +17,11 @@ import numpy as np
 from . import _guard as G
 from . import _jaxpr
 from ._draws import Draws
+from ._grads import Grads
 from ._jaxpr import forget_bodies, is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
+from ._params import Params
 from ._swap import Settle, Swap, Unsettled
 
 if TYPE_CHECKING:
@@ -74,11 +76,16 @@ def trace(
     return out
 
 
-def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -> Any:
+def _user(
+    entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int], again: bool = False
+) -> Any:
     """The user's function as a function of the `active` inputs (the rest held fixed).
 
     Returns `call(*xs) -> (output, written)`, where `written` maps the places
-    the function rebound to their new values.
+    the function rebound to their new values. `again`: the function has run in
+    this trace before (the Hessian's second derivatives), so each call starts from
+    the program's inputs in every place, not from what the last run rebound there
+    (`c["s"] = c["s"] + 1` would count twice), and leaves the places as it found them.
     """
 
     def call(*xs: Any) -> tuple[Any, dict[int, Any]]:
@@ -88,23 +95,40 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
         per_place = expand(vals[: entry.n_cl], entry.cl_slots)
         inner = None
         inner_rebound: list[Any] = []
-        if entry.implicit and active:
-            # Parameters live in the closure: put the differentiated tracers in their places.
-            chosen = set(active)
-            slots = entry.cl_slots or range(entry.n_cl)
-            inner = Swap(
-                [v if u in chosen else G.MISSING for u, v in zip(slots, per_place, strict=True)]
-            )
-            for node, fn in zip(entry.nodes, fns, strict=True):
-                inner.put(node, fn)
-            for node in entry.absolute:
-                inner.put(node, None)
+        if again or (entry.implicit and active):
+            if again:
+                inner = Swap(per_place)
+            else:
+                # Parameters live in the closure: put the differentiated tracers in their places.
+                chosen = set(active)
+                slots = entry.cl_slots or range(entry.n_cl)
+                inner = Swap(
+                    [v if u in chosen else G.MISSING for u, v in zip(slots, per_place, strict=True)]
+                )
+            try:
+                for node, fn in zip(entry.nodes, fns, strict=True):
+                    inner.put(node, fn)
+                for node in entry.absolute:
+                    inner.put(node, None)
+            except ValueError:
+                if not again:
+                    raise
+                # The places no longer match the program's inputs one to one.
+                inner.restore()
+                raise TypeError(
+                    f"{entry.api}: the function changes the structure of what it captures "
+                    "(e.g. appends an array to a list it reads), and it runs more than once "
+                    "while the second derivatives are traced, each run starting from the "
+                    "same inputs. Keep that structure fixed (assign arrays into it), or "
+                    "return the new values instead."
+                ) from None
         try:
             args = entry.args(vals)
             draws = Draws(entry.consumed)
             # jax reuses a body (a scan's, a cond branch) it traced before by the
             # function's identity, with what it read then: not this run's tracers.
             forget_bodies()
+            _MADE.append([])
             try:
                 if entry.program == CALL:
                     pos, kw = args
@@ -117,6 +141,9 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 raise _traced_value_error(entry, e) from e
             finally:
                 forget_bodies()  # bodies holding this run's tracers
+                made = _MADE.pop()
+            if made or entry.program != CALL:
+                _check_out(entry.api, out, made, entry.program)
             drew = draws.changed()
             if drew:
                 # Compiled, this trace's draw would be repeated on every call.
@@ -139,12 +166,13 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 if written:
                     # The function rebound arrays, and also changed where arrays live:
                     # the new ones cannot be written back by place. Never a silent loss.
+                    # (An Unsettled raised bare has no words: `e or ...` printed "( was".)
+                    what = str(e) or "a container was replaced by another kind of value"
                     raise TypeError(
                         f"{entry.api}: the function rebinds arrays it captures, and while "
-                        f"traced it also changed where its arrays live ({e or 'a container'} "
-                        "was replaced by another kind of value), so the new arrays cannot "
-                        "be written back. Keep the structure the function reads fixed "
-                        "(assign arrays into it), or return the new values instead."
+                        f"traced it also changed where its arrays live ({what}), so the new "
+                        "arrays cannot be written back. Keep the structure the function "
+                        "reads fixed (assign arrays into it), or return the new values instead."
                     ) from None
                 entry.cacheable = False
                 written = {}
@@ -161,6 +189,54 @@ def _user(entry: Entry, fns: list[Any], dyn: list[Any], active: Sequence[int]) -
                 inner.detrace(inner_rebound)
 
     return call
+
+
+# Per user function running in a trace (innermost last): the implicit-mode
+# backward functions `tg.pullback` made during it (`made_implicit_back`).
+_MADE: list[list[Any]] = []
+
+
+def made_implicit_back(back: Any) -> None:
+    """Record an implicit-mode `back` whose gradients are keyed by traced parameters."""
+    if _MADE:
+        _MADE[-1].append(back)
+
+
+def _check_out(api: str, out: Any, made: list[Any], program: str) -> None:
+    """Refuse an output holding what only makes sense inside this trace.
+
+    A `Grads` or `Params` in an output tree (one returned alone by a function that
+    must return one array has that error) holds the parameter arrays themselves (tracers here),
+    and so does an implicit-mode `back` made in this run (`made`), in its pytree's
+    static data: returned, every lookup with the user's arrays would miss, and
+    `named()` would hand back values keyed by dead tracers. (tg.jit's own output
+    check, `_outputs.split_output`, words the first two for a compiled function.)
+    """
+    ids = {id(b) for b in made}
+    alone = program in (GRAD, JACOBIAN, HESSIAN) and type(out) in (Grads, Params)
+    for v in jax.tree_util.tree_leaves(out, is_leaf=lambda v: id(v) in ids):
+        if id(v) in ids:
+            raise TypeError(
+                f"{api}: the function returns the backward function of an implicit-mode "
+                "tg.pullback, whose gradients are keyed by the parameter arrays themselves, "
+                "traced inside the function: outside it no lookup with your arrays could "
+                "find them. Call back(dy) inside the function and return grads.named() or "
+                "grads.to_tree(model), or use explicit mode, tg.pullback(lambda m: f(m), "
+                "model), whose back can be returned."
+            )
+        if type(v) is Grads and not alone:
+            raise TypeError(
+                f"{api}: the function's output holds a tg.Grads, which is "
+                "keyed by the parameter arrays themselves, traced inside the function: "
+                "outside it no lookup with your arrays could find them. Return "
+                "grads.named() or grads.to_tree(model) instead."
+            )
+        if type(v) is Params and not alone:
+            raise TypeError(
+                f"{api}: the function's output holds a tg.Params, which "
+                "holds the arrays themselves, traced inside the function. Return the model "
+                "instead and call tg.params(model) outside."
+            )
 
 
 class _ArgsKept:
@@ -499,7 +575,7 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
     result = []
     for group in groups:
         active = list(dict.fromkeys(i for i in group if i in entry.active))
-        fn = _user(entry, fns, dyn, active)
+        fn = _user(entry, fns, dyn, active, again=True)
         h = (
             jax.hessian(
                 lambda *xs, fn=fn: scalar_loss(fn(*xs)[0], entry.api),
