@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 import treegrad as tg
@@ -37,6 +39,19 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name in ENGINE_TESTS:
             item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture
+def few_user_modules(request, monkeypatch):
+    """`sys.modules` read by a computed name walks every user module in it: in a test run,
+    every test module imported, every example and every module a test made (19-54 s
+    each for three tests in a whole run on a busy 2-core host, 1 s alone). They are
+    taken out of it for the test, as a script has few: all but the test's own module."""
+    from treegrad._guard import is_library_module
+
+    keep = {"__main__", request.module.__name__}
+    for name in [n for n in sys.modules if n not in keep and not is_library_module(n)]:
+        monkeypatch.delitem(sys.modules, name)
 
 
 @pytest.fixture(autouse=True)

@@ -196,6 +196,7 @@ class _LazyProxy:
 
 
 @pytest.mark.slow  # over ~1 s: every user module in sys.modules is walked
+@pytest.mark.usefixtures("few_user_modules")
 def test_a_module_imported_while_sys_modules_is_walked(monkeypatch):
     # Once: the size of sys.modules was taken before the walk, which imported one
     # (a user module holding a lazy loader's object): "a new guard rejected its own

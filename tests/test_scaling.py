@@ -193,16 +193,17 @@ def test_train_with_a_mesh_equals_plain_optax(mesh):
 # ------------------------------------------------------ 8 devices, 2 processes
 
 
-# 65 s alone on a 2-core machine (8 devices in a subprocess): in CI's slow run. One
-# process (`-n 0`): pytest-xdist there would add workers to a run already using every
-# core (119 s of CPU against 89 s).
+# 65 s alone on a 2-core machine (8 devices in a subprocess): in CI's slow run, in two
+# parts that two workers can run at once. One process each (`-n 0`): pytest-xdist there
+# would add workers to a run already using every core (119 s of CPU against 89 s).
 @pytest.mark.slow
-def test_on_eight_devices():
+@pytest.mark.parametrize("case", ["tests/scaling_mesh.py", "docs/scaling.md"])
+def test_on_eight_devices(case):
     """Data, 2x4 model and fully sharded training in every style (tests/scaling_mesh.py),
     and the examples of docs/scaling.md, on 8 devices."""
     env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    cases = [str(HERE / "scaling_mesh.py"), str(HERE.parent / "docs" / "scaling.md")]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *cases]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]
+    cmd.append(str(HERE.parent / case))
     run = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-6000:] + run.stderr[-3000:]
     assert "skipped" not in run.stdout, run.stdout[-2000:]
