@@ -32,7 +32,14 @@ from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState, skip_problem
 from ._params import Params
 from ._paths import rebind
-from ._tree import describe_leaf, first_difference, is_differentiable, is_none, tree_map_shared
+from ._tree import (
+    describe_leaf,
+    first_difference,
+    is_differentiable,
+    is_none,
+    path_str,
+    tree_map_shared,
+)
 from ._walk import node_types
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -127,8 +134,34 @@ def _only_static_changed(config: _Config, model: Any, m_def: Any) -> bool:
     return kinds == [t for t in node_types(config.treedef) if t is not type(None)]
 
 
+def _first_gradient_difference(model: Any, grads: Any) -> str | None:
+    """Dotted path of the first place where a gradient tree differs from the model.
+    Unlike `first_difference`, `None` in the gradient at a leaf (an integer array, a
+    skipped parameter) or for a whole sub-tree is not a difference: otherwise an extra
+    or a missing key was reported at the first integer leaf of the model."""
+    m_paths = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_none)[0]
+    g_paths = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+    try:
+        m_keys = {k for k, _ in m_paths}
+        g_keys = {k for k, _ in g_paths}
+    except TypeError:  # a foreign pytree's unhashable key
+        return first_difference(model, grads)
+    skipped = {k for k, g in g_paths if g is None}
+    for k, _ in m_paths:
+        if k not in g_keys and not any(k[:i] in skipped for i in range(len(k))):
+            return path_str(k) or "<root>"
+    for k, g in g_paths:
+        if k not in m_keys and g is not None:
+            return path_str(k) or "<root>"
+    return first_difference(model, grads)
+
+
 def _mismatch(api: str, what: str, model: Any, other: Any) -> str:
-    where = first_difference(model, other)
+    where = (
+        _first_gradient_difference(model, other)
+        if what == "gradient"
+        else first_difference(model, other)
+    )
     at = f"first difference at '{where}'" if where else "same paths, different static data or types"
     return (
         f"{api}: the {what} tree does not match the model ({at}). "
@@ -158,12 +191,23 @@ def _gradient_leaves(m_def: Any, model: Any, grads: Any, api: str) -> list[Any]:
     if by_path is not None:
         return by_path
     # `None` for a whole sub-tree ({"enc": None, "dec": g}) skips every parameter in it.
+    out = _by_none_subtrees(model, grads)
+    if out is None:
+        out = _by_walk_with_none_attributes(model, grads)
+    if out is None:
+        raise ValueError(_mismatch(api, "gradient", model, grads))
+    return out
+
+
+def _by_none_subtrees(model: Any, grads: Any) -> list[Any] | None:
+    """The gradient at each of the model's leaves when `grads` is the model's structure
+    with `None` in place of whole sub-trees; None if it is not."""
     items, g_def_ = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
     g_def: Any = g_def_
     try:
         subtrees = g_def.flatten_up_to(model)
     except (ValueError, TypeError):
-        raise ValueError(_mismatch(api, "gradient", model, grads)) from None
+        return None
     out: list[Any] = []
     for g, sub in zip(items, subtrees, strict=True):
         structure: Any = jax.tree_util.tree_structure(sub)
@@ -172,8 +216,48 @@ def _gradient_leaves(m_def: Any, model: Any, grads: Any, api: str) -> list[Any]:
         elif structure.num_nodes == 1 and structure.num_leaves == 1:
             out.append(g)
         else:
-            raise ValueError(_mismatch(api, "gradient", model, grads))
+            return None
     return out
+
+
+_MISSING = object()
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.DictKey):
+        return node.get(key.key, _MISSING) if isinstance(node, dict) else _MISSING
+    if isinstance(key, jax.tree_util.SequenceKey):
+        ok = isinstance(node, (list, tuple)) and key.idx < len(node)
+        return node[key.idx] if ok else _MISSING
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name, _MISSING)
+    return _MISSING
+
+
+def _by_walk_with_none_attributes(model: Any, grads: Any) -> list[Any] | None:
+    """The gradient at each of the model's leaves, found by walking each leaf's key path
+    through `grads`, where `None` stands for a whole sub-tree. Needed where a gradient
+    Module's attribute was set to a container of Nones (`g.extra = {"scale": None}`,
+    `g.layers = [None, None]`): a Module decides child or static by value, and a
+    container holding no array is static data, so no treedef matches the model. Each
+    node on the way must have the model's node's type, and every gradient array must
+    be at one of the model's paths; None otherwise."""
+    out: list[Any] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]:
+        m_node, g_node = model, grads
+        for key in path:
+            if g_node is None:
+                break
+            if type(g_node) is not type(m_node):
+                return None
+            m_node, g_node = _child(m_node, key), _child(g_node, key)
+            if g_node is _MISSING:
+                return None
+        if g_node is not None and not isinstance(g_node, _ARRAYS):
+            return None  # a container where the model has a leaf
+        out.append(g_node)
+    used = sum(g is not None for g in out)
+    return out if used == len(jax.tree_util.tree_leaves(grads)) else None
 
 
 def _from_tree(

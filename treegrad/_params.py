@@ -476,10 +476,15 @@ def _convert_numpy(tree: Any, api: str) -> None:
     """Replace float numpy leaves by jax.Arrays where they live (identity needs it)."""
     if isinstance(tree, (np.ndarray, jax.Array)):
         return
+    # One jax.Array per numpy object: a tied numpy weight (one object at two places)
+    # stays tied, and one parameter; converted place by place it became two.
+    converted: dict[int, jax.Array] = {}
     for path, leaf in trainable_leaves_with_path(tree):
         if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.inexact):
+            if id(leaf) not in converted:
+                converted[id(leaf)] = jnp.asarray(leaf)
             try:
-                set_at(tree, path, jnp.asarray(leaf))
+                set_at(tree, path, converted[id(leaf)])
             except TypeError as e:  # nowhere to rebind: immutable all the way up
                 raise TypeError(
                     f"{api}: '{path_str(path)}' is a numpy array inside an immutable "
