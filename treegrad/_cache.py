@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -71,6 +72,14 @@ _SHAPES: dict[Any, Shape] = {}
 MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES, NUMPY_VALUES]
 
 
+# Calls from several threads take turns, the optimiser's `update`s too. While a function
+# is traced, tracers stand in the places it reads arrays from (a captured model's
+# entries) until the trace ends: another thread's call would read them there, and with
+# both restoring, one could be left in the user's model for good. Re-entrant: a call
+# inside a traced function (a gradient of a gradient) is in the same thread.
+TURN = threading.RLock()
+
+
 def execute(
     program: str,
     api: str,
@@ -82,59 +91,64 @@ def execute(
     make: Callable[[Call], Entry] | None = None,
 ) -> tuple[Entry, Any]:
     """Run `roots[0]` under `program`; returns the entry and `(deps, packed, grads)`."""
-    f = roots[0]
-    rk = f.__code__ if len(roots) == 1 and type(f) is types.FunctionType else root_keys(roots)
-    recent_key = (program, options, rk)
-    recent = _RECENT.get(recent_key)
-    if recent is not None:
-        # The arguments' structure seen last with this function, read by generated
-        # code: the same structure and ties give the same cache key.
-        shape, slots, last, groups, shared = recent
-        leaves = shape.flatten(args)
-        if leaves is not None:
-            if slots is None and len(set(map(id, leaves))) == len(leaves):
-                # No tied arrays: the usual case; the usual explicit gradient in one step.
-                if last and last[0].fast and params is None:
-                    first = last[0]
-                    out = first.run_plain(roots, leaves)
-                    if out is not None:
-                        _LRU.move_to_end(id(first))
-                        return first, out
-                    last = last[1:]  # not this call's entry (see `run_plain`)
-                hit = _lookup(last, roots, leaves, params)
-            else:
-                a_uniq, a_slots = uniq_in_groups(leaves, groups)
-                same = a_slots == slots and (a_slots is None or shared_nodes(args) == shared)
-                hit = _lookup(last, roots, a_uniq, params) if same else None
+    with TURN:
+        f = roots[0]
+        rk = f.__code__ if len(roots) == 1 and type(f) is types.FunctionType else root_keys(roots)
+        recent_key = (program, options, rk)
+        recent = _RECENT.get(recent_key)
+        if recent is not None:
+            # The arguments' structure seen last with this function, read by generated
+            # code: the same structure and ties give the same cache key.
+            shape, slots, last, groups, shared = recent
+            leaves = shape.flatten(args)
+            if leaves is not None:
+                if slots is None and len(set(map(id, leaves))) == len(leaves):
+                    # No tied arrays: the usual case; the usual explicit gradient in one step.
+                    if last and last[0].fast and params is None:
+                        first = last[0]
+                        out = first.run_plain(roots, leaves)
+                        if out is not None:
+                            _LRU.move_to_end(id(first))
+                            return first, out
+                        last = last[1:]  # not this call's entry (see `run_plain`)
+                    hit = _lookup(last, roots, leaves, params)
+                else:
+                    a_uniq, a_slots = uniq_in_groups(leaves, groups)
+                    same = a_slots == slots and (a_slots is None or shared_nodes(args) == shared)
+                    hit = _lookup(last, roots, a_uniq, params) if same else None
+                if hit is not None:
+                    return hit
+        call = Call(program, options, roots, args)
+        bucket = _CACHE.get(call.key)
+        if bucket is not None:
+            hit = _lookup(bucket, roots, call.a_uniq, params)
             if hit is not None:
+                _remember(recent_key, call, bucket)
                 return hit
-    call = Call(program, options, roots, args)
-    bucket = _CACHE.get(call.key)
-    if bucket is not None:
-        hit = _lookup(bucket, roots, call.a_uniq, params)
-        if hit is not None:
-            _remember(recent_key, call, bucket)
-            return hit
-    if make is None:
-        make = functools.partial(Entry, program, api, options, params=params)
-    entry, out = _new(make, call, params)
-    if program != CALL and call.a_statics is not None:
-        _warn_opaque_argument(entry, roots[0])
-    if entry.cacheable:
-        _remember(recent_key, call, _store(call.key, entry))
-    else:
-        if entry.hidden and all(random for _, random in entry.drew):
-            # (Arrays an iterator yields are hidden too: the iterator is named below.)
-            _warn_hidden(entry, roots[0])
-        if entry.lost:
-            _warn_lost(entry, roots[0])
-        if entry.drew:
-            _warn_drew(entry, roots[0])
-        if entry.wrote:
-            _warn_wrote(entry, roots[0])
-    if entry.valued and not entry.wrote and NUMPY_VALUES.get(root_keys(roots), 0) >= _VALUED_TRACES:
-        _warn_valued(entry, roots[0])
-    return entry, out
+        if make is None:
+            make = functools.partial(Entry, program, api, options, params=params)
+        entry, out = _new(make, call, params)
+        if program != CALL and call.a_statics is not None:
+            _warn_opaque_argument(entry, roots[0])
+        if entry.cacheable:
+            _remember(recent_key, call, _store(call.key, entry))
+        else:
+            if entry.hidden and all(random for _, random in entry.drew):
+                # (Arrays an iterator yields are hidden too: the iterator is named below.)
+                _warn_hidden(entry, roots[0])
+            if entry.lost:
+                _warn_lost(entry, roots[0])
+            if entry.drew:
+                _warn_drew(entry, roots[0])
+            if entry.wrote:
+                _warn_wrote(entry, roots[0])
+        if (
+            entry.valued
+            and not entry.wrote
+            and NUMPY_VALUES.get(root_keys(roots), 0) >= _VALUED_TRACES
+        ):
+            _warn_valued(entry, roots[0])
+        return entry, out
 
 
 def _new(
