@@ -49,7 +49,7 @@ from ._layout import placements, several_devices
 from ._outputs import DYN, Packed, Written, _Aux, expand, split_unique, uniq
 from ._paths import get_at, put_at
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
-from ._swap import Swap, holders
+from ._swap import Swap, holders, undo_writes
 from ._tree import describe_leaf, is_inexact, picker
 from ._walk import Walk, is_plain_object, node_types, static_callables
 
@@ -104,6 +104,11 @@ class Entry:
         self.n_args = len(call.a_uniq)
         self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
         self.rebound: list[Any] = []  # during a trace: see `_swap.Settle.rebound`
+        self.swap: Swap | None = None  # during a trace: the one putting its inputs in place
+        # What the traces of this call wrote into the user's numpy arrays, with what was
+        # there before (`Swap.overwritten`), so that a trace made again undoes it first.
+        # Only during `first_run` (None otherwise): the entry keeps no user arrays.
+        self.overwritten: list[tuple[Any, Any]] | None = None
         self.demoted = False
         self._writers: dict[tuple[int, ...], WriteBack] = {}
         self.cacheable = True
@@ -287,11 +292,13 @@ class Entry:
     ) -> Any:
         """Trace once, read the jaxpr, and run. (The entry keeps no user arrays.)"""
         before = {id(a) for a in jax.live_arrays()}
+        self.overwritten = []
         self.stack.append(roots)
         try:
             traced = self.compiled(dyn).trace(*dyn, *self._extra())
         finally:
             self.stack.pop()
+            overwritten, self.overwritten = self.overwritten, None
         closed = traced.jaxpr
         if _jaxpr.n_inputs(closed) != len(dyn) + len(self._extra()):
             self._leaked()
@@ -308,7 +315,10 @@ class Entry:
         live = self._live(closed, len(dyn))
         if live != self.active:
             self.active = live
-            self._build()  # unused inputs: not differentiated; traced again
+            # Unused inputs: not differentiated; traced again, from the numpy arrays'
+            # contents before the first trace (a write into one is made once a call).
+            undo_writes(overwritten)
+            self._build()
         out = self.run(roots, dyn)
         self._analysed = True
         return out

@@ -22,7 +22,7 @@ from ._jaxpr import forget_bodies, is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
 from ._params import Params
-from ._swap import Settle, Swap, Unsettled
+from ._swap import Scrub, Settle, Swap, Unsettled
 
 if TYPE_CHECKING:
     from ._engine import Entry
@@ -55,6 +55,7 @@ def trace(
     swap = Swap(expand(dyn[: entry.n_cl], entry.cl_slots))
     outer, entry.placement = entry.placement, placed
     outer_rebound, entry.rebound = entry.rebound, []
+    outer_swap, entry.swap = entry.swap, swap
     try:
         fns = [swap.put(node, root) for node, root in zip(entry.nodes, roots, strict=True)]
         for node in entry.absolute:
@@ -63,9 +64,15 @@ def trace(
             out = _PROGRAMS[entry.program](entry, fns, dyn, *extra)
     finally:
         swap.restore()
+        if entry.overwritten is not None:
+            entry.overwritten += swap.overwritten
         swap.detrace(entry.rebound)
         entry.rebound = outer_rebound
+        entry.swap = outer_swap
         entry.placement = outer
+    if swap.lost:
+        entry.lost += [w for w in swap.lost if w not in entry.lost]
+        entry.cacheable = False
     if swap.reverted:
         raise TypeError(
             f"{entry.api}: the function changed the structure of an optimiser state it "
@@ -97,7 +104,7 @@ def _user(
         inner_rebound: list[Any] = []
         if again or (entry.implicit and active):
             if again:
-                inner = Swap(per_place)
+                inner = Swap(per_place, fresh=entry.swap)
             else:
                 # Parameters live in the closure: put the differentiated tracers in their places.
                 chosen = set(active)
@@ -118,9 +125,9 @@ def _user(
                 raise TypeError(
                     f"{entry.api}: the function changes the structure of what it captures "
                     "(e.g. appends an array to a list it reads), and it runs more than once "
-                    "while the second derivatives are traced, each run starting from the "
-                    "same inputs. Keep that structure fixed (assign arrays into it), or "
-                    "return the new values instead."
+                    "while traced (the Hessian of several arguments, the Jacobian of a "
+                    "complex output), each run starting from the same inputs. Keep that "
+                    "structure fixed (assign arrays into it), or return the new values instead."
                 ) from None
         try:
             args = entry.args(vals)
@@ -138,7 +145,11 @@ def _user(
                 else:
                     out = fns[0](*args)
             except _TRACE_ERRORS as e:
+                _scrub(entry, per_place)
                 raise _traced_value_error(entry, e) from e
+            except BaseException:
+                _scrub(entry, per_place)
+                raise
             finally:
                 forget_bodies()  # bodies holding this run's tracers
                 made = _MADE.pop()
@@ -189,6 +200,42 @@ def _user(
                 inner.detrace(inner_rebound)
 
     return call
+
+
+def _scrub(entry: Entry, per_place: list[Any]) -> None:
+    """After the function raised while traced: take the values computed from its traced
+    arrays out of the user's objects (a log it appended to, an entry or global it set),
+    as `Settle` does after a run that returns, so that nothing the user had is lost and
+    no tracer stays behind. The nodes are left as they were: the entry may be a cached
+    one, traced again for new shapes, that must keep guarding what it guarded."""
+    saved = _fields([*entry.nodes, *entry.absolute])
+    settle = Scrub(per_place, {})
+    try:
+        for node, root in zip(entry.nodes, entry.stack[-1], strict=True):
+            settle.node(node, root)
+        for node in entry.absolute:
+            settle.node(node, None)
+    finally:
+        entry.rebound += settle.rebound  # user arrays stored in place of tracers: see detrace
+        for node, fields in saved:
+            for name, value in fields:
+                setattr(node, name, value)
+
+
+def _fields(nodes: list[G.Node]) -> list[tuple[G.Node, list[tuple[str, Any]]]]:
+    """Every node under `nodes`, each with its fields' values (`Settle` rewrites them)."""
+    out: list[tuple[G.Node, list[tuple[str, Any]]]] = []
+    seen: set[int] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        names = [n for c in type(node).__mro__ for n in getattr(c, "__slots__", ())]
+        out.append((node, [(n, getattr(node, n)) for n in names if hasattr(node, n)]))
+        stack.extend(G.children(node))
+    return out
 
 
 # Per user function running in a trace (innermost last): the implicit-mode
@@ -500,8 +547,13 @@ def _placed_back(placed: tuple[Any, ...]) -> Callable[[Any, Any], list[Any]]:
 def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
     active = entry.active
     call = _user(entry, fns, dyn, active)
+    # The call's run is the backward pass's, first. The runs a complex output takes
+    # after it start from the program's inputs and leave the places as they found them
+    # (`_user`'s `again`): the function's writes (`buf[0] += 1`, `c["s"] = c["s"] +
+    # 1`) are made once, as in the one run of the uncompiled function.
+    again = _user(entry, fns, dyn, active, again=True)
 
-    def y_of(*xs: Any) -> Any:
+    def y_of(*xs: Any, call: Any = call) -> Any:
         out, written = call(*xs)
         if not isinstance(out, (jax.Array, np.ndarray)):
             raise TypeError(
@@ -519,7 +571,8 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
 
     if active:
         xs = [dyn[i] for i in active]
-        complex_out = jnp.iscomplexobj(jax.eval_shape(lambda *a: y_of(*a)[0], *xs))
+        _, vjp, (y, written) = jax.vjp(y_of, *xs, has_aux=True)
+        complex_out = jnp.iscomplexobj(y)
         if complex_out and any(map(jnp.iscomplexobj, xs)):
             raise TypeError(
                 f"{entry.api}: the function returns a complex array and takes a complex "
@@ -532,10 +585,12 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             # A complex output of real inputs: dy/dx, complex, column by column
             # (forward mode: a backward pass takes only real outputs). Which inputs
             # get None: those the linearised function's output does not depend on.
-            jacs, (y, written) = jax.jacfwd(y_of, argnums=tuple(range(len(active))), has_aux=True)(
-                *xs
-            )
-            _, tangent = jax.linearize(lambda *a: y_of(*a)[0], *xs)
+            jacs, _ = jax.jacfwd(
+                functools.partial(y_of, call=again),
+                argnums=tuple(range(len(active))),
+                has_aux=True,
+            )(*xs)
+            _, tangent = jax.linearize(lambda *a: y_of(*a, call=again)[0], *xs)
             closed = jax.make_jaxpr(tangent)(*xs)
             entry.live = frozenset(active[k] for k in _jaxpr.dependencies(closed, [0]))
         else:
@@ -545,7 +600,6 @@ def _jacobian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             # output is placed); one vmap per output axis gives y.shape + x.shape.
             # Each row is the gradient of one component, in tg.gradient's convention
             # for complex inputs (steepest ascent).
-            _, vjp, (y, written) = jax.vjp(y_of, *xs, has_aux=True)
             _backward(entry, vjp, y, active)
             rows = vjp
             for _ in range(y.ndim):
@@ -569,21 +623,27 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             "parts as separate real arguments (f(jax.lax.complex(x, y))) and take the "
             "Hessian in those."
         )
-    call = _user(entry, fns, dyn, entry.active)
-    loss, written = call(*[dyn[i] for i in entry.active])
-    loss = scalar_loss(loss, entry.api)
+    # The call's run is the first Hessian's (its loss and writes ride along as jax's
+    # `aux`); each later one starts from the program's inputs and leaves the places as it
+    # found them (`_user`'s `again`), so that the function's writes are made once.
+    ran: list[Any] = []
+
+    def loss_of(fn: Any, *xs: Any) -> Any:
+        out, written = fn(*xs)
+        loss = scalar_loss(out, entry.api)
+        return loss, (loss, written)
+
     result = []
     for group in groups:
         active = list(dict.fromkeys(i for i in group if i in entry.active))
-        fn = _user(entry, fns, dyn, active, again=True)
-        h = (
-            jax.hessian(
-                lambda *xs, fn=fn: scalar_loss(fn(*xs)[0], entry.api),
-                argnums=tuple(range(len(active))),
+        h: Any = ()
+        if active:
+            fn = _user(entry, fns, dyn, active, again=bool(ran))
+            h, aux = jax.hessian(
+                functools.partial(loss_of, fn), argnums=tuple(range(len(active))), has_aux=True
             )(*[dyn[i] for i in active])
-            if active
-            else ()
-        )
+            if not ran:
+                ran.append(aux)
         index = {p: k for k, p in enumerate(active)}
         # A tied array (one input at several places): its block at its first place
         # only, None at the others, as its gradient (blocks summed over places would
@@ -598,6 +658,9 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
                 for i, fi in zip(group, first, strict=True)
             )
         )
+    if not ran:
+        ran.append(loss_of(_user(entry, fns, dyn, ()))[1])
+    loss, written = ran[0]
     entry.n_deps = 1
     return [loss], Packed(None, None), tuple(result), Written.of(written)
 

@@ -14,7 +14,7 @@ import collections
 import functools
 import gc
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,6 +43,7 @@ from ._guard import (
     Snap,
     Tree,
     Unchecked,
+    _is_pytree_node,
     children,
     deref,
     has_instance_dict,
@@ -74,6 +75,7 @@ class Swap:
         inline: bool = True,
         record: bool = True,
         only: set[int] | None = None,
+        fresh: Swap | None = None,
     ):
         self.values = values
         self.inline = inline
@@ -88,15 +90,34 @@ class Swap:
         self.touched: list[tuple[Any, Any, Any]] = []  # (container, key, old) written
         # The numpy arrays read as values, by id, each with the copy the trace gets.
         self.copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # A later run of the function in the trace of `fresh` (the Hessian's second
+        # derivatives): its copies start from the user's arrays as they were before the
+        # trace, by the id of the copy `fresh` put in their place, not from what an
+        # earlier run wrote into that copy, and nothing goes back (the earlier run's
+        # writes are the call's). None: copies of what is there, written back.
+        self.fresh: dict[int, np.ndarray] | None = (
+            None if fresh is None else {id(c): u for u, c in fresh.copies.values()}
+        )
+        # A later run (`fresh`) also puts back the array places it wrote the same
+        # object into: the function may rebind them (`c["s"] = c["s"] + 1`).
+        self.again = fresh is not None
+        # The user's numpy arrays `restore` wrote into, each with what it held before.
+        self.overwritten: list[tuple[np.ndarray, np.ndarray]] = []
         # Optimiser states whose structure the function changed, put back as they were
         # (`_restore_tree`): such a trace cannot write them back, and is refused.
         self.reverted: list[str] = []
+        # Where values computed from traced arrays were taken out of a captured pytree
+        # whose structure the function changed (`_untrace_containers`), for the warning.
+        self.lost: list[str] = []
 
     def restore(self) -> None:
         while self.undo:
             self.undo.pop()()
-        for user, copy in self.copies.values():
-            _copy_back(user, copy)
+        if self.fresh is None:
+            for user, copy in self.copies.values():
+                if not same_array(copy, user):
+                    self.overwritten.append((user, user.copy()))
+                    _copy_back(user, copy)
         self.copies.clear()
         # A place the function rebound to a traced value is cleared too: to the user's
         # array that traced value stands for, if it is one of ours (`self.best =
@@ -104,7 +125,7 @@ class Swap:
         # after the call, as an output).
         for container, key, old in self.touched:
             now = _at(container, key)
-            if is_tracer(now):
+            if is_tracer(now) or (self.again and now is not MISSING):
                 container[key] = self.originals.get(id(now), old)
         self.touched.clear()
 
@@ -160,7 +181,7 @@ class Swap:
         if isinstance(node, Seq):
             if isinstance(v, list):
                 for i, child in enumerate(node.items):
-                    self._set_item(v, i, self.put(child, v[i]))
+                    self._set_item(v, i, self.put(child, v[i]), self._forced(child))
                 return v
             items = [self.put(child, x) for child, x in zip(node.items, v, strict=True)]
             if all(a is b for a, b in zip(items, v, strict=True)):
@@ -168,7 +189,7 @@ class Swap:
             return type(v)._make(items) if hasattr(v, "_fields") else type(v)(items)
         if isinstance(node, Map):
             for key, child in node.items:
-                self._set_item(v, key, self.put(child, v[key]))
+                self._set_item(v, key, self.put(child, v[key]), self._forced(child))
             return v
         if isinstance(node, Func):
             self._func(node, v)
@@ -214,10 +235,19 @@ class Swap:
                 self._log(functools.partial(_untrace, every, kept))
             d: dict[str, Any] = vars(v) if node.attrs else {}
             for name, child in node.attrs:
-                self._set_item(d, name, self.put(child, d[name]))
+                self._set_item(d, name, self.put(child, d[name]), self._forced(child))
             for name, child in node.slots:
                 new = self.put(child, getattr(v, name))
-                self._set_attr(v, name, new, copy=isinstance(child, Snap))
+                self._set_attr(
+                    v, name, new, copy=isinstance(child, Snap), force=self._forced(child)
+                )
+            if self.record and node.slots and type(v).__name__ == "Grads":
+                from ._grads import Grads
+
+                if type(v) is Grads:
+                    # Its index by id is of the arrays just written over (`_walk`):
+                    # built anew from the tracers while traced, the old one back after.
+                    self._set_attr(v, "_index", None, force=True)
             return v
         if isinstance(node, Tree):
             return self._tree(node, v)
@@ -234,8 +264,8 @@ class Swap:
                 if isinstance(child, Const) and child.value is MISSING:
                     continue  # a name checked to stay absent
                 new = self.put(child, d[name])
-                if new is not d[name]:
-                    self._set_attr(obj, name, new, plain=False)
+                if new is not d[name] or self._forced(child):
+                    self._set_attr(obj, name, new, plain=False, force=self._forced(child))
             return obj
         return v  # Const, Same, Unchecked, Alias: nothing to write
 
@@ -243,22 +273,33 @@ class Swap:
         """The copy of a user's numpy array the trace reads (one per array)."""
         pair = self.copies.get(id(user))
         if pair is None:
-            pair = self.copies[id(user)] = (user, user.copy())
+            start = user if self.fresh is None else self.fresh.get(id(user), user)
+            pair = self.copies[id(user)] = (user, start.copy())
         return pair[1]
 
-    def _set_item(self, container: Any, key: Any, new: Any) -> None:
+    def _forced(self, child: Node) -> bool:
+        """Whether a place is recorded even when what is written is what was there."""
+        return self.again and type(child) is Array
+
+    def _set_item(self, container: Any, key: Any, new: Any, force: bool = False) -> None:
         old = container[key]
-        if new is not old:
+        if new is not old or force:
             if self.record:  # (not when writing back after a call: nothing to undo)
                 self.undo.append(functools.partial(_put_back, container, key, new, old))
                 self.touched.append((container, key, old))
             container[key] = new
 
     def _set_attr(
-        self, obj: Any, name: str, new: Any, plain: bool = True, copy: bool = False
+        self,
+        obj: Any,
+        name: str,
+        new: Any,
+        plain: bool = True,
+        copy: bool = False,
+        force: bool = False,
     ) -> None:
         old = getattr(obj, name)
-        if new is old:
+        if new is old and not force:
             return
         # Frozen dataclass-style models (equinox) refuse setattr; object.__setattr__
         # is how their own tree-surgery helpers write, and it cannot be intercepted.
@@ -279,7 +320,7 @@ class Swap:
                 continue
             old = cell.cell_contents
             new = self.put(child, old)
-            if new is not old:
+            if new is not old or self._forced(child):
                 if isinstance(child, Snap):  # a copy: the function may bind another value
                     self._log(functools.partial(_put_back_cell, cell, new, old))
                 else:
@@ -288,7 +329,7 @@ class Swap:
         g = fn.__globals__
         for name, child in node.globals:
             if child is not None:
-                self._set_item(g, name, self.put(child, g[name]))
+                self._set_item(g, name, self.put(child, g[name]), self._forced(child))
         if node.defaults is not None:
             defaults = self.put(node.defaults, fn.__defaults__)
             if defaults is not fn.__defaults__:
@@ -298,6 +339,7 @@ class Swap:
 
     def _tree(self, node: Tree, v: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(v)
+        held = _containers(v) if self.record else []
         values = self.values
         new = [
             (x if (n := values[c.place]) is MISSING else n) if type(c) is Array else self.put(c, x)
@@ -305,8 +347,10 @@ class Swap:
         ]
         changed = {id(a): b for a, b in zip(leaves, new, strict=True) if a is not b}
         if not changed:
-            if type(v) in IN_PLACE:  # an optimiser state may gain traced leaves (a new rule)
-                self._log(lambda: _restore_tree(v, treedef, leaves, {}, self.reverted))
+            # An optimiser state may gain traced leaves (a new rule); a later run
+            # (`again`) may rebind a leaf to its own traced value.
+            if type(v) in IN_PLACE or self.again:
+                self._log(lambda: _restore_tree(v, treedef, leaves, {}, self, held))
             return v
         try:
             rebind(v, changed)
@@ -316,7 +360,7 @@ class Swap:
         ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
         if self.record:
             self.originals.update(ours)
-        self._log(lambda: _restore_tree(v, treedef, leaves, ours, self.reverted))
+        self._log(lambda: _restore_tree(v, treedef, leaves, ours, self, held))
         return v
 
 
@@ -344,6 +388,15 @@ def _copy_back(user: np.ndarray, copy: np.ndarray) -> None:
     if copy.shape != user.shape:  # `resize` on the copy
         user.resize(copy.shape, refcheck=False)
     np.copyto(user, copy)
+
+
+def undo_writes(overwritten: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Put back what `Swap.restore` wrote into the user's numpy arrays (latest first):
+    a trace made again in the same call (`Entry.first_run`) writes them once more, from
+    the same contents, as the one run of the uncompiled function does."""
+    for user, before in reversed(overwritten):
+        _copy_back(user, before)
+    overwritten.clear()
 
 
 def _put_back_cell(cell: types.CellType, new: Any, old: Any) -> None:
@@ -398,7 +451,12 @@ def _untrace(d: dict[str, Any], kept: list[tuple[str, Any]]) -> None:
 
 
 def _restore_tree(
-    v: Any, treedef: Any, leaves: list[Any], ours: dict[int, Any], reverted: list[str]
+    v: Any,
+    treedef: Any,
+    leaves: list[Any],
+    ours: dict[int, Any],
+    swap: Swap,
+    held: Sequence[tuple[Any, Any]],
 ) -> None:
     """Put the original leaves back, whatever the trace did meanwhile, so no traced value
     stays in the user's model. A value put there for the trace (`ours`: by its id) goes
@@ -407,7 +465,9 @@ def _restore_tree(
     position, or, where it changed the structure (a static attribute it counts in, a
     new attribute), by key path. An optimiser state whose structure changed so that
     traced leaves would stay (a rule assigned to a sub-state) is put back whole, as it
-    was, and named in `reverted`: the caller refuses the trace."""
+    was, and named in `swap.reverted`: the caller refuses the trace. Values computed from
+    traced arrays stored in it where nothing can be put back by place go
+    (`_untrace_containers`, named in `swap.lost`)."""
     now, now_def = jax.tree_util.tree_flatten(v)
     if all(id(b) in ours or not is_tracer(b) for b in now):
         back = {id(b): ours[id(b)] for b in now if id(b) in ours}
@@ -427,10 +487,79 @@ def _restore_tree(
             old = jax.tree_util.tree_unflatten(treedef, leaves)
             for name in slot_names(type(v)):
                 object.__setattr__(v, name, object.__getattribute__(old, name))
-            reverted.append(type(v).__name__)
+            swap.reverted.append(type(v).__name__)
             return
     if back:
         rebind(v, back)
+    # Tracers that were there before are an enclosing trace's (a call nested in tg.jit).
+    was = {id(a) for a in leaves}
+    if held and any(is_tracer(b) and id(b) not in was for b in jax.tree_util.tree_leaves(v)):
+        _untrace_containers(held, was)
+        swap.lost.append(f"a {type(v).__name__} it captures")
+
+
+def _containers(v: Any) -> list[tuple[Any, Any]]:
+    """The mutable containers of a pytree (lists, dicts, objects' `__dict__`s), outer
+    first, each with a shallow copy of its entries: what `_untrace_containers` puts back."""
+    out: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+
+    def visit(x: Any) -> None:
+        if id(x) in seen or is_array(x):
+            return
+        seen.add(id(x))
+        if type(x) is list:
+            out.append((x, list(x)))
+            items: Any = x
+        elif type(x) is tuple:
+            items = x
+        elif isinstance(x, dict):
+            out.append((x, dict(x)))
+            items = list(x.values())
+        elif has_instance_dict(x) and _is_pytree_node(x):
+            d = vars(x)
+            out.append((d, dict(d)))
+            items = list(d.values())
+        else:
+            return
+        for item in items:
+            visit(item)
+
+    visit(v)
+    return out
+
+
+def _untrace_containers(held: Sequence[tuple[Any, Any]], was: set[int]) -> None:
+    """A value computed from traced arrays that the function stored inside a captured
+    pytree (`model.hist = model.hist + [loss]`, `model.log.append(loss)`, a new
+    attribute), where its structure changed and no leaf can be put back by place: the
+    entry it stored goes back to what was there, or is taken out where there was none,
+    so no tracer stays in the user's model (as `Settle` does for a plain list or dict).
+    `was`: the ids of the leaves before the trace."""
+
+    def traced(x: Any) -> bool:
+        try:
+            return any(is_tracer(a) and id(a) not in was for a in _leaves(x))
+        except (TypeError, ValueError):  # cannot flatten: see `_holds_tracer`
+            return True
+
+    for container, before in held:
+        if type(container) is list:
+            n = len(before)
+            for i in reversed(range(len(container))):
+                if (i >= n or container[i] is not before[i]) and traced(container[i]):
+                    if i < n:
+                        container[i] = before[i]
+                    else:
+                        del container[i]
+            continue
+        for key in list(container):
+            now = container[key]
+            if before.get(key, MISSING) is not now and traced(now):
+                if key in before:
+                    container[key] = before[key]
+                else:
+                    del container[key]
 
 
 def _key_paths(treedef: Any) -> list[Any] | None:
@@ -588,6 +717,18 @@ class Settle:
         # must stay fresh. Two compiled functions writing different entries of
         # one dict therefore re-trace each other: slower, never stale.
         return node
+
+    def _rebound_in(self, node: Tree, kind: str, now: dict[Any, Any], old_paths: list[Any]) -> None:
+        """A captured pytree whose structure the function changed: an array it also
+        rebound there (`log.s = log.s * 2` beside `log.xs = [*log.xs, y]`) is named in
+        `written`, so that the caller refuses the trace with its reason rather than
+        losing the new array (it cannot be written back by place)."""
+        for path, child in zip(old_paths, node.leaves, strict=True):
+            value = now.get(path, MISSING)
+            if type(child) is Array and value is not self.put[child.place] and is_array(value):
+                self.written[child.place] = value
+        if self.written:
+            raise Unsettled(f"the structure of a {kind} it captures changed")
 
     def node(self, node: Node, v: Any) -> Node:
         self.values[id(node)] = v
@@ -784,6 +925,11 @@ class Settle:
                         # Entries taken out (an OrderedDict's `popitem`, a defaultdict's
                         # `pop`: pytrees of jax's): the next call reads what is left.
                         self._took(v)
+                    # (An optimiser state is put back whole by `_restore_tree`, and the
+                    # trace refused with its own reason: `Swap.reverted`.)
+                    if paths is not None and old_paths is not None and type(v) not in IN_PLACE:
+                        now = dict(zip(paths, leaves, strict=True))
+                        self._rebound_in(node, type(v).__name__, now, old_paths)
                     return self._demote(node, v)
             # The same places (perhaps a static attribute the function changed, a
             # counter): arrays it rebound are written back. The node keeps the old
@@ -817,6 +963,19 @@ class Settle:
             node.attrs = attrs
             return node
         raise AssertionError(type(node))  # pragma: no cover
+
+
+class Scrub(Settle):
+    """`Settle` after the function raised while traced (`_programs._scrub`): each value
+    computed from the traced arrays is taken out of the user's objects as after a run
+    that returns; a place whose structure changed (Unsettled) is left to `Swap.restore`,
+    and its siblings are still scrubbed."""
+
+    def node(self, node: Node, v: Any) -> Node:
+        try:
+            return super().node(node, v)
+        except Unsettled:
+            return node
 
 
 def _where(key: Any, of: str) -> str:

@@ -418,12 +418,24 @@ class Walk:
         if t in _DICT_VIEWS:
             self._held({"mapping": value.mapping}, path)  # `vals = cfg.values()`
             return Same(value)
-        from ._params import Params  # imports this module's users; a cycle at import time
+        from ._grads import Grads  # (these import this module's users: a cycle at import)
+        from ._params import Params
 
         if t is Params:
             ps = self._memo(value, ParamsNode(Unchecked()))
             ps.source = self.node(value._sources, path)
             return ps
+        if t is Grads:
+            # Its parameters and gradients are inputs, as a Params' sources are: inside
+            # a compiled function the parameters are tracers, and a Grads taken outside
+            # it is looked up with them (`g[W]`, `tg.update_(state, ps, g)`).
+            grads = self._memo(value, Obj(Same(t), [], []))
+            grads.has_dict = False
+            grads.slots = [
+                ("_params", self.node(value._params, f"{path}._params")),
+                ("_grads", self.node(value._grads, f"{path}._grads")),
+            ]
+            return grads
         if t is types.ModuleType:
             self.consumed += global_states(value)  # `random`, `numpy.random` (`_draws`)
             self.numpy_seen = self.numpy_seen or value.__name__.split(".")[0] == "numpy"
