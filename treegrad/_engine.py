@@ -49,7 +49,8 @@ from ._layout import placements, several_devices
 from ._outputs import DYN, Packed, Written, _Aux, expand, split_unique, uniq
 from ._paths import get_at, put_at
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
-from ._swap import Swap, holders, undo_writes
+from ._settle import holders
+from ._swap import Swap, undo_writes
 from ._tree import describe_leaf, is_inexact, picker
 from ._walk import Walk, is_plain_object, node_types, static_callables
 
@@ -94,7 +95,7 @@ class Entry:
         # with them read as values: `_cache._new`), and those read as values.
         self.numpy_places = walk.numpy_places
         self.valued = walk.valued
-        self.wrote = False  # a trace changed one of those in place (`_swap.Settle`)
+        self.wrote = False  # a trace changed one of those in place (`_settle.Settle`)
         self.names = walk.names
         self.n_places = walk.places
         self.guard = Guard(self.nodes, self.absolute)
@@ -103,7 +104,7 @@ class Entry:
         self.a_shared = call.a_shared
         self.n_args = len(call.a_uniq)
         self.stack: list[tuple[Any, ...]] = []  # roots of the calls in flight
-        self.rebound: list[Any] = []  # during a trace: see `_swap.Settle.rebound`
+        self.rebound: list[Any] = []  # during a trace: see `_settle.Settle.rebound`
         self.swap: Swap | None = None  # during a trace: the one putting its inputs in place
         # What the traces of this call wrote into the user's numpy arrays, with what was
         # there before (`Swap.overwritten`), so that a trace made again undoes it first.

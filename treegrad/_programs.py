@@ -22,7 +22,8 @@ from ._jaxpr import forget_bodies, is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
 from ._params import Params
-from ._swap import Scrub, Settle, Swap, Unsettled
+from ._settle import Scrub, Settle
+from ._swap import Swap, Unsettled
 
 if TYPE_CHECKING:
     from ._engine import Entry

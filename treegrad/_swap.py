@@ -3,9 +3,9 @@
 While the engine traces a function, `Swap` writes the tracers into the user's
 own cells, globals, containers and objects (recording every write so that
 `restore` undoes exactly them), so the function runs on its real objects. After
-the function ran, `Settle` compares the places with what was put there: arrays
-the function rebound become outputs to write back, values it changed itself
-(counters, logs) stop being checked by the guard.
+the function ran, `Settle` (`_settle.py`) compares the places with what was put
+there: arrays the function rebound become outputs to write back, values it
+changed itself (counters, logs) stop being checked by the guard.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import numpy as np
 
 from ._guard import (
     MISSING,
-    Alias,
     Array,
     Attrs,
     Const,
@@ -38,22 +37,22 @@ from ._guard import (
     Obj,
     ParamsNode,
     Partial,
-    Same,
     Seq,
     Snap,
     Tree,
-    Unchecked,
     _is_pytree_node,
-    children,
     deref,
     has_instance_dict,
-    has_places,
     is_array,
     same_array,
 )
 from ._jaxpr import is_tracer
 from ._paths import IN_PLACE, rebind, rebind_value
 from ._walk import slot_names
+
+
+class Unsettled(Exception):
+    """The trace changed where arrays live (not only their values): not cacheable."""
 
 
 class CannotSwap(TypeError):
@@ -576,454 +575,10 @@ def _key_paths(treedef: Any) -> list[Any] | None:
 # --- after a trace: what the function changed ------------------------------------
 
 
-class Unsettled(Exception):
-    """The trace changed where arrays live (not only their values): not cacheable."""
-
-
-class Settle:
-    """Compare the places after a trace with what was put there.
-
-    Array places now holding another array were rebound by the function (an
-    in-place update): they go into `written`. Numbers and containers the
-    function changed itself (counters, logs) are demoted to `Unchecked`: they
-    are its outputs, not its inputs. `node(n, v)` returns the node to guard from now on.
-    """
-
-    def __init__(self, put: list[Any], written: dict[int, Any]):
-        self.put = put
-        self.written = written
-        self.values: dict[int, Any] = {}
-        # Aliases met before the node of their object, with the value each route holds.
-        self.waiting: dict[int, list[Any]] = {}
-        self.demoted = False
-        self.cacheable = True
-        # Where the function stored values computed from the traced arrays, taken out
-        # again (see `_entry`, `_dropped`): said once to the user (`_cache._warn_lost`).
-        self.lost: list[str] = []
-        # Containers it took entries out of (`batches.pop()`): the next call reads what
-        # is left, as uncompiled, so this trace is not reused (`_cache._warn_drew`).
-        self.took: list[str] = []
-        self.wrote = False  # a numpy array read as a value, changed in place
-        # Places that held the trace's arrays and that the function bound to a new
-        # value holding them (`batches = batches[1:]`): `(put, key, value)`, for
-        # `Swap.detrace` once the trace is over.
-        self.rebound: list[list[Any]] = []
-        self._ours: set[int] | None = None
-
-    def _kept(self, value: Any, put: Callable[[Any, Any], Any], key: Any) -> bool:
-        """A value the function stored that holds no traced value but the trace's own
-        inputs (`self.best = model.w`, `history.append(model.w)`, `saved["w0"] =
-        model.w`): the user's arrays, which stay there (`Swap.detrace` puts them back in
-        place of the inputs' tracers), as uncompiled. The trace is not reused: the
-        place now holds an array. Whether it was such a value."""
-        if value is MISSING:
-            return False
-        try:
-            tracers = [x for x in _leaves(value) if is_tracer(x)]
-        except (TypeError, ValueError):  # a pytree that cannot flatten (unsortable keys)
-            return False
-        if not tracers:
-            return False
-        if self._ours is None:
-            self._ours = {id(x) for x in self.put if x is not MISSING}
-        if not all(id(x) in self._ours for x in tracers):
-            return False
-        self.rebound.append([put, key, value])
-        self.cacheable = False
-        return True
-
-    def _took(self, v: Any) -> None:
-        self.took.append(f"a {type(v).__name__} it captures (entries taken out)")
-        self.cacheable = False
-
-    def _demote(self, node: Node, v: Any) -> Node:
-        if has_places(node) or is_array(v):
-            raise Unsettled
-        if not isinstance(node, Unchecked):
-            self.demoted = True
-        return Unchecked()
-
-    def _entries(
-        self, items: list[tuple[Any, Node]], d: dict[Any, Any], skipped: Any = (), of: str = ""
-    ) -> list[tuple[Any, Node]]:
-        """The entries of a dict (or an object's `__dict__`) after a trace. Entries the
-        function added (a default filled in on first use, lazy initialisation, a
-        cached_property) are its own outputs, not checked; one it removed is no
-        longer read. The others stay checked: the function may read them (as
-        uncompiled, they stay fresh). `skipped`: names that were there, unchecked.
-        `of`: the class of the object whose `__dict__` `d` is, for messages (empty
-        for a dict's own entries)."""
-        out = []
-        for key, child in items:
-            if key in d:
-                where = _where(key, of)
-                out.append((key, self._entry(child, d[key], d.__setitem__, key, where)))
-            elif has_places(child):
-                raise Unsettled
-            else:
-                self.demoted = True
-        known = {key for key, _ in items}.union(skipped)
-        for key in [k for k in d if k not in known]:
-            if self._kept(d[key], d.__setitem__, key):
-                out.append((key, Unchecked()))
-                continue
-            added = self._added(d[key], functools.partial(d.pop, key, None), _where(key, of))
-            if key in d:  # else removed again: a traced value (`_added`)
-                out.append((key, added))
-        return out
-
-    def _entry(
-        self, node: Node, value: Any, put: Callable[[Any, Any], Any], key: Any, where: str
-    ) -> Node:
-        """`self.node` for an entry of a dict or object; a number or library object there
-        that the function replaced by a value computed from traced arrays (a lazy
-        `self.cache = f(self.w)`) is put back, so no tracer stays in the user's object."""
-        if isinstance(node, (Const, Same)) and _holds_tracer(value):
-            if self._kept(value, put, key):
-                return node
-            put(key, node.value if isinstance(node, Const) else node.get())
-            self.lost.append(where)
-            self.cacheable = False  # traced again each call; the places stay where they were
-            return node
-        if has_places(node) and _holds_tracer(value):
-            self.rebound.append([put, key, value])
-        return self.node(node, value)
-
-    def _added(self, value: Any, remove: Callable[[], Any], where: str) -> Node:
-        """An entry the function added to a dict or object while traced."""
-        if self._dropped(value, remove, where):
-            return Unchecked()
-        if any(map(is_array, _leaves(value))):
-            raise Unsettled
-        self.demoted = True
-        return Unchecked()
-
-    def _dropped(self, value: Any, remove: Callable[[], Any], where: str) -> bool:
-        """Remove a value the function put where there was none, when it was computed
-        from the traced arrays (a cache filled on first use): left there it would be a
-        tracer in the user's object after the call. Removed, it is computed again when
-        next read, as a fresh cache is; the function is traced again each call (the
-        places stay where they were). Whether it was removed."""
-        if value is MISSING or not _holds_tracer(value):
-            return False
-        remove()
-        self.lost.append(where)
-        self.cacheable = False
-        return True
-
-    def _container(self, node: Node, children: list[Node]) -> Node:
-        # Only the entries the function changed stop being checked: it may read
-        # other entries of the same dict (a config it also logs into), and those
-        # must stay fresh. Two compiled functions writing different entries of
-        # one dict therefore re-trace each other: slower, never stale.
-        return node
-
-    def _rebound_in(self, node: Tree, kind: str, now: dict[Any, Any], old_paths: list[Any]) -> None:
-        """A captured pytree whose structure the function changed: an array it also
-        rebound there (`log.s = log.s * 2` beside `log.xs = [*log.xs, y]`) is named in
-        `written`, so that the caller refuses the trace with its reason rather than
-        losing the new array (it cannot be written back by place)."""
-        for path, child in zip(old_paths, node.leaves, strict=True):
-            value = now.get(path, MISSING)
-            if type(child) is Array and value is not self.put[child.place] and is_array(value):
-                self.written[child.place] = value
-        if self.written:
-            raise Unsettled(f"the structure of a {kind} it captures changed")
-
-    def node(self, node: Node, v: Any) -> Node:
-        self.values[id(node)] = v
-        for alias in self.waiting.pop(id(node), ()):
-            if not _same(node, alias, v):
-                raise Unsettled
-        if isinstance(node, Array):
-            if v is not self.put[node.place]:
-                if not is_array(v):
-                    raise Unsettled
-                self.written[node.place] = v
-            return node
-        if isinstance(node, Const):
-            if v is node.value or (type(v) is type(node.value) and _equal(v, node.value)):
-                return node
-            return self._demote(node, v)
-        if isinstance(node, Snap):
-            if node.equal(v):
-                return node
-            if node.held is not None and type(v) is node.type:
-                same = node.match(v, traced=True)
-                if same is not None:
-                    # The same items; a numpy array among them changed in place (by
-                    # the function, in its copy): read anew on the next call.
-                    if not same:
-                        self.wrote = True
-                        self.cacheable = False
-                    return node
-            if type(v) is node.type and (
-                isinstance(node.value, np.ndarray) or node.type is memoryview
-            ):
-                # A numpy array read as a value (`Walk.as_values`), or the memory a
-                # memoryview shows, that the function changed in place (`order.sort()`,
-                # `view[0] = 1`): it reads the new contents on the next call, as
-                # uncompiled, so this trace is not reused.
-                self.wrote = True
-                self.cacheable = False
-                return node
-            if type(v) is node.type and len(v) < node.size():
-                self._took(v)
-            return self._demote(node, v)
-        if isinstance(node, Same):
-            return node if v is node.get() else self._demote(node, v)
-        if isinstance(node, Unchecked):
-            if is_array(v):
-                raise Unsettled
-            return node
-        if isinstance(node, Alias):
-            if id(node.target) not in self.values:  # its node comes later
-                self.waiting.setdefault(id(node.target), []).append(v)
-            elif not _same(node.target, v, self.values[id(node.target)]):
-                raise Unsettled
-            return node
-        if isinstance(node, Seq):
-            n = len(node.items)
-            if type(v) is list and len(v) > n and any(map(_holds_tracer, v[n:])):
-                kept = [i for i in range(n, len(v)) if self._kept(v[i], v.__setitem__, i)]
-                if len(kept) < len(v) - n:
-                    # Values computed from the traced arrays appended while traced (a
-                    # log): removed, as a cache filled on first use is (`_added`).
-                    self.lost.append(f"{len(v) - n} item(s) appended to a list")
-                    del v[n:]
-                    self.rebound = [r for r in self.rebound if r[0] != v.__setitem__]
-                    self.cacheable = False
-                else:
-                    # The user's own arrays appended (a history of the weights): the
-                    # items before them are the places they were (written back as such);
-                    # this trace is not reused (`_kept`).
-                    node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=False)]
-                    return node
-            if isinstance(v, list) and len(v) < n:
-                self._took(v)
-            if type(v) is not node.type or len(v) != len(node.items):
-                return self._demote(node, v)
-            node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
-            return self._container(node, [c for c in node.items])
-        if isinstance(node, Map):
-            if type(v) is not node.type:
-                return self._demote(node, v)
-            of = "" if node.type is dict else node.type.__name__
-            if any(k not in v for k, _ in node.items):
-                self._took(v)
-            items = self._entries(node.items, v, of=of)
-            if [k for k, _ in items] != list(v):
-                # The function reordered the dict: the order is its output, not checked.
-                node.ordered = False
-                where = {k: i for i, k in enumerate(v)}
-                items.sort(key=lambda item: where[item[0]])
-            node.items = items
-            return self._container(node, [c for _, c in node.items])
-        if isinstance(node, Func):
-            if type(v) is not types.FunctionType or v.__code__ is not node.code:
-                return self._demote(node, v)
-            cells: list[Node | None] = []
-            freevars = v.__code__.co_freevars
-            for k, (cell, cell_node) in enumerate(
-                zip(v.__closure__ or (), node.cells, strict=True)
-            ):
-                place = f"closure variable {freevars[k]!r}"
-                try:
-                    value = cell.cell_contents
-                except ValueError:
-                    value = MISSING
-                if cell_node is None:
-                    if self._kept(value, functools.partial(_put_cell, cell), None):
-                        cells.append(Unchecked())
-                        continue
-                    if self._dropped(value, functools.partial(_empty_cell, cell), place):
-                        value = MISSING
-                    cells.append(None if value is MISSING else self._demote(Unchecked(), value))
-                elif value is MISSING:
-                    cells.append(self._demote(cell_node, value))
-                else:
-                    put = functools.partial(_put_cell, cell)
-                    cells.append(self._entry(cell_node, value, put, None, place))
-            node.cells = cells
-            g = v.__globals__
-            names: list[tuple[str, Node | None]] = []
-            for name, global_node in node.globals:
-                # A global the function assigned a traced value (`global G; G = loss`):
-                # put back, or removed if it was new, as an object's attribute is.
-                value = g.get(name, MISSING)
-                if global_node is None and self._kept(value, g.__setitem__, name):
-                    names.append((name, Unchecked()))
-                elif global_node is None:
-                    if self._dropped(
-                        value, functools.partial(g.pop, name, None), f"global {name!r}"
-                    ):
-                        value = MISSING
-                    names.append(
-                        (name, None if value is MISSING else self._demote(Unchecked(), value))
-                    )
-                elif value is MISSING:
-                    names.append((name, self._demote(global_node, value)))
-                else:
-                    place = f"global {name!r}"
-                    names.append(
-                        (name, self._entry(global_node, value, g.__setitem__, name, place))
-                    )
-            node.globals = names
-            if node.defaults is not None:
-                node.defaults = self.node(node.defaults, v.__defaults__)
-            if node.kwdefaults is not None:
-                node.kwdefaults = self.node(node.kwdefaults, v.__kwdefaults__)
-            return node
-        if isinstance(node, Method):
-            if type(v) is not types.MethodType:
-                return self._demote(node, v)
-            node.self_ = self.node(node.self_, v.__self__)
-            node.func = self.node(node.func, v.__func__)
-            return node
-        if isinstance(node, Partial):
-            if type(v) is not node.type:
-                return self._demote(node, v)
-            node.func = self.node(node.func, v.func)
-            node.args = self.node(node.args, v.args)
-            node.keywords = self.node(node.keywords, v.keywords)
-            return node
-        if isinstance(node, Jitted):
-            inner = v if type(v) is types.FunctionType else getattr(v, "__wrapped__", MISSING)
-            node.inner = self.node(node.inner, inner)
-            return node
-        if isinstance(node, Descr):
-            if type(v) is not node.type:
-                return self._demote(node, v)
-            node.inner = self.node(node.inner, getattr(v, node.attr))
-            return node
-        if isinstance(node, Deref):
-            if type(v) is not node.type:
-                return self._demote(node, v)
-            node.inner = self.node(node.inner, deref(node.kind, v))
-            return node
-        if isinstance(node, Modules):
-            if type(v) is not dict:
-                return self._demote(node, v)
-            node.size = len(v)  # modules imported while traced (jax imports lazily)
-            node.items = [(k, self.node(c, v.get(k, MISSING))) for k, c in node.items]
-            return node
-        if isinstance(node, Obj):
-            if type(v) is not node.type.get():
-                return self._demote(node, v)
-            d = getattr(v, "__dict__", {}) if has_instance_dict(v) else {}
-            node.attrs = self._entries(node.attrs, d, node.skipped, of=type(v).__name__)
-            node.skipped = [k for k in node.skipped if k in d]
-            node.slots = [(k, self.node(c, getattr(v, k, MISSING))) for k, c in node.slots]
-            return node
-        if isinstance(node, Tree):
-            leaves, treedef = jax.tree_util.tree_flatten(v)
-            if treedef != node.treedef:
-                paths = _key_paths(treedef)
-                old_paths = _key_paths(node.treedef)
-                if paths is None or paths != old_paths:
-                    if paths is not None and old_paths is not None and set(old_paths) - set(paths):
-                        # Entries taken out (an OrderedDict's `popitem`, a defaultdict's
-                        # `pop`: pytrees of jax's): the next call reads what is left.
-                        self._took(v)
-                    # (An optimiser state is put back whole by `_restore_tree`, and the
-                    # trace refused with its own reason: `Swap.reverted`.)
-                    if paths is not None and old_paths is not None and type(v) not in IN_PLACE:
-                        now = dict(zip(paths, leaves, strict=True))
-                        self._rebound_in(node, type(v).__name__, now, old_paths)
-                    return self._demote(node, v)
-            # The same places (perhaps a static attribute the function changed, a
-            # counter): arrays it rebound are written back. The node keeps the old
-            # structure, so the next call fails its guard and traces again, reading
-            # the changed value fresh, as the uncompiled function would.
-            node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]
-            return node
-        if isinstance(node, ParamsNode):
-            node.source = self.node(node.source, v._sources)
-            return node
-        if isinstance(node, Fixed):
-            func = self.node(node.func, node.obj.get())
-            if isinstance(func, Unchecked):  # the function's code changed while tracing
-                raise Unsettled
-            node.func = func
-            return node
-        if isinstance(node, Attrs):
-            d = vars(node.obj.get())
-            attrs: list[tuple[str, Node]] = []
-            for name, child in node.attrs:
-                value = d.get(name, MISSING)
-                if value is MISSING and isinstance(child, Const) and child.value is MISSING:
-                    attrs.append((name, child))  # a name checked to stay absent, still absent
-                    continue
-                attrs.append(
-                    (
-                        name,
-                        self._demote(child, value) if value is MISSING else self.node(child, value),
-                    )
-                )
-            node.attrs = attrs
-            return node
-        raise AssertionError(type(node))  # pragma: no cover
-
-
-class Scrub(Settle):
-    """`Settle` after the function raised while traced (`_programs._scrub`): each value
-    computed from the traced arrays is taken out of the user's objects as after a run
-    that returns; a place whose structure changed (Unsettled) is left to `Swap.restore`,
-    and its siblings are still scrubbed."""
-
-    def node(self, node: Node, v: Any) -> Node:
-        try:
-            return super().node(node, v)
-        except Unsettled:
-            return node
-
-
-def _where(key: Any, of: str) -> str:
-    """A place in a dict (`of` empty) or in an object's `__dict__`, for messages."""
-    return f"attribute {key!r} of a {of}" if of else f"dict entry [{key!r}]"
-
-
-def _same(target: Node, alias: Any, v: Any) -> bool:
-    """Whether an Alias's route holds the object of its target's route. A `jax.jit` or
-    `tg.jit` helper reached first is replaced by its function while traced (inlined);
-    the same helper reached again is not."""
-    return alias is v or (isinstance(target, Jitted) and getattr(alias, "__wrapped__", None) is v)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and a != a:
-        return b != b
-    return bool(a == b)
-
-
-def holders(nodes: list[Node], places: set[int]) -> set[int]:
-    """Ids of the nodes on the way to the given places (for `Swap(only=...)`)."""
-    out: set[int] = set()
-
-    def visit(node: Node) -> bool:
-        if isinstance(node, Array):
-            hit = node.place in places
-        else:
-            hit = False
-            for child in children(node):
-                hit = visit(child) or hit
-        if hit:
-            out.add(id(node))
-        return hit
-
-    for node in nodes:
-        visit(node)
-    return out
-
-
 def _leaves(value: Any) -> list[Any]:
     """`value`'s leaves; an iterator it holds (one the function keeps) is a leaf, as jax
     takes it today with a DeprecationWarning (an error in later jax)."""
     return jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
-
-
-def _is_iterator(x: Any) -> bool:
-    return hasattr(type(x), "__next__")
 
 
 def _holds_tracer(value: Any) -> bool:
@@ -1035,9 +590,5 @@ def _holds_tracer(value: Any) -> bool:
     return any(map(is_tracer, leaves))
 
 
-def _put_cell(cell: Any, _key: Any, value: Any) -> None:
-    cell.cell_contents = value
-
-
-def _empty_cell(cell: Any) -> None:
-    del cell.cell_contents
+def _is_iterator(x: Any) -> bool:
+    return hasattr(type(x), "__next__")
