@@ -624,27 +624,24 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
             "parts as separate real arguments (f(jax.lax.complex(x, y))) and take the "
             "Hessian in those."
         )
-    # The call's run is the first Hessian's (its loss and writes ride along as jax's
-    # `aux`); each later one starts from the program's inputs and leaves the places as it
-    # found them (`_user`'s `again`), so that the function's writes are made once.
-    ran: list[Any] = []
-
-    def loss_of(fn: Any, *xs: Any) -> Any:
-        out, written = fn(*xs)
-        loss = scalar_loss(out, entry.api)
-        return loss, (loss, written)
-
+    # The call's run gives the loss and the function's writes; each Hessian's runs start
+    # from the program's inputs and leave the places as they found them (`_user`'s
+    # `again`), so that the function's writes are made once. (The loss is not taken
+    # from inside the first Hessian: there an argument that only a custom rule
+    # differentiates, its value ignored, would read as unused, and get None.)
+    call = _user(entry, fns, dyn, entry.active)
+    loss, written = call(*[dyn[i] for i in entry.active])
+    loss = scalar_loss(loss, entry.api)
     result = []
     for group in groups:
         active = list(dict.fromkeys(i for i in group if i in entry.active))
         h: Any = ()
         if active:
-            fn = _user(entry, fns, dyn, active, again=bool(ran))
-            h, aux = jax.hessian(
-                functools.partial(loss_of, fn), argnums=tuple(range(len(active))), has_aux=True
+            fn = _user(entry, fns, dyn, active, again=True)
+            h = jax.hessian(
+                lambda *xs, fn=fn: scalar_loss(fn(*xs)[0], entry.api),
+                argnums=tuple(range(len(active))),
             )(*[dyn[i] for i in active])
-            if not ran:
-                ran.append(aux)
         index = {p: k for k, p in enumerate(active)}
         # A tied array (one input at several places): its block at its first place
         # only, None at the others, as its gradient (blocks summed over places would
@@ -659,9 +656,6 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
                 for i, fi in zip(group, first, strict=True)
             )
         )
-    if not ran:
-        ran.append(loss_of(_user(entry, fns, dyn, ()))[1])
-    loss, written = ran[0]
     entry.n_deps = 1
     return [loss], Packed(None, None), tuple(result), Written.of(written)
 

@@ -193,9 +193,12 @@ class Settle:
         rebound there (`log.s = log.s * 2` beside `log.xs = [*log.xs, y]`) is named in
         `written`, so that the caller refuses the trace with its reason rather than
         losing the new array (it cannot be written back by place)."""
+        # An array moved within it (a layer popped or two swapped) is one put there
+        # for the trace, and goes back with its layer (`_swap._restore_tree`).
+        moved = {id(x) for x in self.put}
         for path, child in zip(old_paths, node.leaves, strict=True):
             value = now.get(path, MISSING)
-            if type(child) is Array and value is not self.put[child.place] and is_array(value):
+            if type(child) is Array and id(value) not in moved and is_array(value):
                 self.written[child.place] = value
         if self.written:
             raise Unsettled(f"the structure of a {kind} it captures changed")
