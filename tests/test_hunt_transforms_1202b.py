@@ -7,6 +7,7 @@ equivalent worked by hand: jax run eagerly costs seconds of compiles); errors
 assert their message.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -170,8 +171,10 @@ def test_hessian_of_a_function_rebinding_what_it_captures_counts_the_rebinding_o
         assert float(c["s"]) == s + 1.0  # rebound once, as uncompiled
 
 
-def test_hessian_of_a_function_growing_a_captured_list_is_a_clear_error():
-    """It was jax's UnexpectedTracerError (a tracer leaked by the second run)."""
+@pytest.mark.parametrize("api", ["gradient", "hessian"])
+def test_rebinding_an_array_while_growing_a_captured_module_is_a_clear_error(api):
+    """tg.hessian: jax's UnexpectedTracerError (a tracer leaked by the second run);
+    tg.gradient: `log.s = log.s * 2` was lost silently, a tracer left in `log.xs`."""
 
     class Log(tg.Module):
         def __init__(self):
@@ -185,10 +188,15 @@ def test_hessian_of_a_function_growing_a_captured_list_is_a_clear_error():
         log.xs = [*log.xs, jnp.sum(x)]
         return jnp.sum(jnp.sin(x) * log.s)
 
-    # One argument: the function runs once (as uncompiled), so the error is tg.gradient's.
-    with pytest.raises(TypeError, match=r"tg\.hessian: the function rebinds arrays it captures, "):
-        tg.hessian(f, X)
-    assert float(log.s) == 1.0 and len(log.xs) == 1  # as before the call, no tracer left
+    # The call's own run raises, before any Hessian's.
+    with pytest.raises(
+        TypeError,
+        match=rf"tg\.{api}: the function rebinds arrays it captures, .*\(the structure of a "
+        r"Log it captures changed\)",
+    ):
+        getattr(tg, api)(f, X)
+    assert float(log.s) == 1.0 and len(log.xs) == 1  # as before the call
+    assert not isinstance(log.xs[0], jax.core.Tracer)
 
 
 def test_rebinding_and_replacing_a_container_error_says_what_was_replaced():
