@@ -148,7 +148,7 @@ def _user(
             except _TRACE_ERRORS as e:
                 _scrub(entry, per_place)
                 raise _traced_value_error(entry, e) from e
-            except BaseException:
+            except BaseException:  # any, a KeyboardInterrupt too: cleaned up, re-raised
                 _scrub(entry, per_place)
                 raise
             finally:

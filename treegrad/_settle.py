@@ -80,6 +80,12 @@ class Settle:
         self.rebound: list[list[Any]] = []
         self._ours: set[int] | None = None
 
+    def _our_ids(self) -> set[int]:
+        """Ids of the values put in the places for the trace (made once, when needed)."""
+        if self._ours is None:
+            self._ours = {id(x) for x in self.put if x is not MISSING}
+        return self._ours
+
     def _kept(self, value: Any, put: Callable[[Any, Any], Any], key: Any) -> bool:
         """A value the function stored that holds no traced value but the trace's own
         inputs (`self.best = model.w`, `history.append(model.w)`, `saved["w0"] =
@@ -94,9 +100,8 @@ class Settle:
             return False
         if not tracers:
             return False
-        if self._ours is None:
-            self._ours = {id(x) for x in self.put if x is not MISSING}
-        if not all(id(x) in self._ours for x in tracers):
+        ours = self._our_ids()
+        if not all(id(x) in ours for x in tracers):
             return False
         self.rebound.append([put, key, value])
         self.cacheable = False
@@ -195,7 +200,7 @@ class Settle:
         losing the new array (it cannot be written back by place)."""
         # An array moved within it (a layer popped or two swapped) is one put there
         # for the trace, and goes back with its layer (`_swap._restore_tree`).
-        moved = {id(x) for x in self.put}
+        moved = self._our_ids()
         for path, child in zip(old_paths, node.leaves, strict=True):
             value = now.get(path, MISSING)
             if type(child) is Array and id(value) not in moved and is_array(value):
