@@ -198,6 +198,27 @@ ROWS = [
         r"tg\.params\(model\)",
     ),
     row(
+        "gradient-params-among-arguments",
+        lambda c: tg.gradient(lambda m, ps: mse(m, c.x, c.y), c.model, c.ps),
+        TypeError,
+        r"tg\.gradient: a tg\.Params is passed among 2 argument\(s\), so it would be an "
+        r"explicit-mode argument, which has no gradient \(None\)",
+    ),
+    row(
+        "gradient-grads-as-argument",
+        lambda c: tg.gradient(lambda g: 0.0, tg.gradient(lambda: mse(c.model, c.x, c.y), c.ps)),
+        TypeError,
+        r"tg\.gradient: a tg\.Grads is passed as \(part of\) argument 0; .* Pass "
+        r"grads\.to_tree\(model\) or grads\.named\(\)",
+    ),
+    row(
+        "jit-returns-implicit-back",
+        lambda c: tg.jit(lambda x: tg.pullback(lambda: mse(c.model, x, c.y), c.ps))(c.x),
+        TypeError,
+        r"tg\.jit: the function returns the backward function of an implicit-mode "
+        r"tg\.pullback.* Call back\(dy\) inside the function",
+    ),
+    row(
         "gradient-not-a-function",
         lambda c: tg.gradient("loss", c.model),
         TypeError,
