@@ -12,10 +12,12 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import treegrad as tg
 
 
+@pytest.mark.slow  # over ~1 s (every call traces): CI's slow run
 def test_threads_tracing_over_one_model_leave_it_intact_and_get_their_own_gradients():
     model = {"w": jnp.arange(3.0), "b": jnp.asarray(0.5)}
     w0, b0 = model["w"], model["b"]
@@ -58,6 +60,7 @@ def test_threads_tracing_over_one_model_leave_it_intact_and_get_their_own_gradie
     np.testing.assert_allclose(got[b0], ref["b"])
 
 
+@pytest.mark.slow  # over ~1 s (every call traces): CI's slow run
 def test_an_update_in_one_thread_while_another_traces_over_the_model():
     import optax
 
