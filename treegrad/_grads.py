@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._params import _names
-from ._tree import describe_leaf, picker
+from ._tree import describe_leaf, path_str, picker
 from ._typing import GradientTree, Model
 
 
@@ -44,6 +44,34 @@ def _check_scalar(c: Any, how: str) -> None:
     raise TypeError(
         f"Grads can be {how} by a number or a 0-d array, got a {type(c).__name__} ({c!r:.40})."
     )
+
+
+def _scaler(c: Any, op: Callable[[Any, Any], Any]) -> Callable[[Any], Any]:
+    """`g -> op(g, c)` that keeps each gradient's dtype, as a Python number does.
+
+    A scale is not meant to change precision, but JAX promotes against a numpy
+    scalar or a 0-d array by its dtype: `bfloat16_grad * np.float32(0.5)` became
+    float32 (and the weak-typed gradient of a `jnp.asarray(2.0)` parameter times
+    an `np.float16`, float16), and the optimiser's moments then changed dtype too.
+    So a real scale takes the gradient's dtype; only a complex scale of a real
+    gradient still promotes it to complex (that is what the user asked for).
+    """
+    if not isinstance(c, (np.generic, np.ndarray, jax.Array)):
+        return lambda g: op(g, c)  # a Python number: weakly typed already
+    complex_c = jnp.issubdtype(c.dtype, jnp.complexfloating)
+    cast: dict[Any, Any] = {}  # one conversion per gradient dtype
+
+    def scaled(g: Any) -> Any:
+        dtype = g.dtype
+        if not jnp.issubdtype(dtype, jnp.inexact) or (
+            complex_c and not jnp.issubdtype(dtype, jnp.complexfloating)
+        ):
+            return op(g, c)
+        if dtype not in cast:
+            cast[dtype] = c.astype(dtype)
+        return op(g, cast[dtype])
+
+    return scaled
 
 
 def _same_kind(a: Any, b: Any) -> bool:
@@ -218,7 +246,7 @@ class Grads(Mapping[Any, Any]):
         if isinstance(c, Grads):
             return NotImplemented
         _check_scalar(c, "multiplied")
-        return self.map(lambda g: g * c)
+        return self.map(_scaler(c, jnp.multiply))
 
     __rmul__ = __mul__
 
@@ -226,7 +254,7 @@ class Grads(Mapping[Any, Any]):
         if isinstance(c, Grads):
             return NotImplemented
         _check_scalar(c, "divided")
-        return self.map(lambda g: g / c)
+        return self.map(_scaler(c, jnp.divide))
 
     def __neg__(self) -> Grads:
         return self.map(jnp.negative)
@@ -277,7 +305,34 @@ class Grads(Mapping[Any, Any]):
                 "of these gradients. Pass the model whose tg.params the gradients were taken "
                 "for; after tg.update_ replaced its arrays, take new gradients."
             )
+        held = set(map(id, leaves))
+        if not all(map(held.__contains__, map(id, self._params))):
+            self._check_not_replaced(model)
         return jax.tree_util.tree_unflatten(treedef, out)
+
+    def _check_not_replaced(self, model: Model) -> None:
+        """Refuse a model in which a registered parameter was replaced, at its own path, by
+        an array of its shape and dtype: its gradient would silently become None there, and
+        the optimiser would skip it (tg.update_ with these Grads refuses the same case).
+
+        A parameter merely absent (`to_tree(model.l1)` of gradients for the whole model, an
+        extra array added to the Params) is fine: its path names nothing in `model`.
+        """
+        index = self._lookup()
+        at = {
+            path_str(p): leaf
+            for p, leaf in jax.tree_util.tree_flatten_with_path(model)[0]
+            if isinstance(leaf, (jax.Array, np.ndarray))
+        }
+        for name, p in zip(self._names_list, self._params, strict=True):
+            now = at.get(name)
+            if now is not None and now is not p and id(now) not in index and _same_kind(now, p):
+                raise ValueError(
+                    f"Grads.to_tree: the model's '{name}' is not the array the gradients were "
+                    f"taken for: it was replaced (by tg.update_ or an assignment) since, so its "
+                    "gradient would silently be None and the optimiser would skip it. Take the "
+                    "gradients again after changing the model, then call to_tree."
+                )
 
     def __repr__(self) -> str:
         lines = [f"Grads({len(self)} parameters)"]

@@ -149,9 +149,12 @@ class Params:
         self._cache: dict[int, _Reading] = {}
         if isinstance(xs, Params):
             self._sources = [list(xs._removed), *xs._sources[1:]]
-        elif isinstance(xs, (list, tuple)) and xs and all(isinstance(x, Params) for x in xs):
-            for x in xs:  # Params([p1, p2]): their union, in order
-                self.add(x)
+        elif isinstance(xs, (list, tuple)) and any(isinstance(x, Params) for x in xs):
+            # Params([p1, p2]) and Params([p1, W]): the union, in order. (A list mixing
+            # a Params with arrays once read as a container, where the Params is an
+            # opaque leaf: its parameters were silently left out.)
+            for x in xs:
+                self._add(x, "tg.params")
         elif not (type(xs) in (list, tuple) and not xs):
             self._sources.append(_checked_source(xs, "tg.params"))
 
@@ -170,6 +173,9 @@ class Params:
         An array removed before is a parameter again when it is added, on its own
         or inside a container.
         """
+        self._add(x, "Params.add")
+
+    def _add(self, x: Any, api: str) -> None:
         if isinstance(x, Params):
             # The union: its sources join ours. An array it left out stays out unless
             # one of our sources holds it; one we left out comes back if it holds it.
@@ -191,7 +197,7 @@ class Params:
                 self._sources[0] = [r for r in self._removed if r is not x]
                 self._cache.clear()
                 return
-        self._sources.append(_checked_source(x, "Params.add"))
+        self._sources.append(_checked_source(x, api))
         self._cache.clear()
         if self._removed:
             back = {id(a) for a in self._read_source(len(self._sources) - 1)[0]}
@@ -305,6 +311,21 @@ class Params:
     def __contains__(self, x: object) -> bool:
         return any(a is x for a in self.arrays())
 
+    def __getitem__(self, i: Any) -> Any:
+        """The parameter at position `i` (Zygote's `ps[1]`, counted from 0 here), or a
+        list of them for a slice; by name, use `ps.named()[name]`."""
+        arrays = self.arrays()
+        if isinstance(i, slice):
+            return arrays[i]
+        if isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)):
+            if -len(arrays) <= i < len(arrays):
+                return arrays[i]
+            raise IndexError(f"Params index {i} is out of range: there are {len(arrays)}.")
+        hint = f"; by name, use ps.named()[{i!r}]" if isinstance(i, str) else ""
+        raise TypeError(
+            f"Params are indexed by position (an int or a slice), got a {type(i).__name__}{hint}."
+        )
+
     def named(self) -> dict[str, Any]:
         """A dict from dotted path (`"l1.weight"`, `"layers.0.bias"`) to array.
 
@@ -409,7 +430,17 @@ def _checked_source(xs: Any, api: str) -> Any:
                 "complex arrays are); cast it, e.g. x.astype(jnp.float32), if it is a parameter."
             )
         return xs
-    leaves = jax.tree_util.tree_leaves(xs)
+    flat = jax.tree_util.tree_leaves_with_path(xs)
+    leaves = [v for _, v in flat]
+    inner = [path_str(p) for p, v in flat if type(v) is Params]
+    if inner:
+        # Not a pytree, a Params inside a container is an opaque leaf: skipped, its
+        # parameters would silently be missing from the set.
+        raise TypeError(
+            f"{api}: the {type(xs).__name__} holds a tg.Params at '{inner[0]}'; a Params is "
+            "not a container of parameters to collect. For their union pass the Params and "
+            "arrays at the top level, tg.Params([ps, W]), or call ps.add(other)."
+        )
     if len(leaves) == 1 and leaves[0] is xs:
         raise TypeError(
             f"{api} got a {type(xs).__name__} ({xs!r:.40}): parameters are arrays, tracked by "
