@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from treegrad import _jaxpr
 
@@ -91,3 +92,14 @@ def test_jax_reuses_a_traced_body_by_identity_until_forget_bodies():
     assert run() == 12.0  # jax's memo: the old array
     _jaxpr.forget_bodies()
     assert run() == 18.0
+
+
+def test_weakly_typed_keeps_values_dtype_and_sharding():
+    # `_manifest` restores a saved weak type with it (no public jax function does).
+    x = jax.device_put(jnp.asarray([0.5, -1.0], jnp.bfloat16))
+    y = _jaxpr.weakly_typed(x)
+    assert y.weak_type and not x.weak_type
+    assert y.dtype == x.dtype and y.sharding == x.sharding
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x, np.float32))
+    # Weak, it takes the other operand's dtype, as `jnp.asarray(0.5)` does.
+    assert (jnp.ones(2, jnp.float16) * y).dtype == jnp.float16

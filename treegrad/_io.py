@@ -37,8 +37,9 @@ With several processes (`jax.distributed`), every process calls `save` and
 `load`: orbax writes and reads each process's own shards (`ocdbt.process_<i>`),
 process 0 alone prepares the folder, hashes the files and commits the
 manifest, and no process returns from `save` before the commit. The folder
-must be on a file system that every process sees. Two saves to one path at
-the same time, or a load while another program saves there, are not
+must be on a file system that every process sees. In one program, saves and
+loads of one path wait for each other (threads); two programs saving to one
+path at the same time, or loading while another saves there, are not
 supported (the save removes the data the load may be reading).
 
 Why a folder and not one file: orbax writes a folder (each process its own
@@ -53,6 +54,8 @@ import os
 import re
 import shutil
 import stat
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,20 @@ _MANIFEST = "treegrad.json"
 _TMP_MANIFEST = ".treegrad.json.tmp-"
 _DATA = re.compile(r"data-(\d+)(\.orbax-checkpoint-tmp.*)?")
 _CHUNK = 1 << 22  # hashing reads 4 MiB at a time: sha256 runs at ~2 GB/s here, I/O-bound above
+# One lock per checkpoint folder (by its real path), held by `save` and `load`: two
+# threads saving to one folder would each remove the other's unfinished data (and
+# fail with orbax's errors), and a load would read a data folder a save removes.
+_LOCKS: weakref.WeakValueDictionary[str, threading.Lock] = weakref.WeakValueDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _folder_lock(folder: Path) -> threading.Lock:
+    key = os.path.realpath(folder)
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(key)
+        if lock is None:
+            lock = _LOCKS[key] = threading.Lock()
+        return lock
 
 
 class CheckpointError(ValueError):
@@ -110,8 +127,9 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
         tree: a model, a state from `tg.setup`, or any pytree of them. Arrays
             of every numeric dtype (bfloat16, float8, int4, complex, bool, PRNG
             keys, sharded arrays) and Python numbers, strings and bytes are
-            stored; other leaves (functions, objects) are taken from `like` by
-            `tg.load`.
+            stored (a weakly typed array stays weakly typed); other leaves
+            (functions, objects) and a Module's static data are taken from
+            `like` by `tg.load`.
 
     Returns:
         None.
@@ -122,8 +140,10 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
             deletes those).
         TypeError: `tree` holds traced arrays (`save` runs outside `jit`),
             arrays of a dtype a checkpoint cannot store (strings, objects,
-            datetime64, float128), or a set, frozenset or bytearray (whose
-            value would be lost); nothing is written then.
+            datetime64, float128), a set, frozenset, bytearray or numpy
+            masked array (whose value or mask would be lost), or a
+            `tg.Params`, `tg.Grads` or sub-state view (`state.l1`), which hold
+            references rather than arrays; nothing is written then.
 
     Examples:
         >>> import jax.numpy as jnp, treegrad as tg, tempfile, os
@@ -135,6 +155,17 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
     """
     arrays, leaves, data = _manifest.describe(tree)
     folder = Path(os.fspath(path))
+    with _folder_lock(folder):
+        _save(folder, tree, arrays, leaves, data)
+
+
+def _save(
+    folder: Path,
+    tree: PyTree,
+    arrays: list[_manifest.ArrayRecord],
+    leaves: list[_manifest.LeafRecord],
+    data: list[Any],
+) -> None:
     # With several processes (jax.distributed), every process calls save and
     # orbax writes each one's shards; the folder, the manifest and the commit
     # are process 0's alone, and no process returns before the commit.
@@ -143,6 +174,7 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
     name = f"data-{generation}"
     stored = {f"a{i}": x for i, (a, x) in enumerate(zip(arrays, data, strict=True)) if a.stored}
     tmp = folder / f"{_TMP_MANIFEST}{generation}"
+    written = False
     try:
         files: list[tuple[str, int, str]] = []
         if stored:
@@ -161,14 +193,18 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
                 f.write(_manifest.dump(manifest))
                 f.flush()
                 os.fsync(f.fileno())
+            written = True
+            os.replace(tmp, folder / _MANIFEST)  # the commit
     except BaseException:
-        # Not committed: the previous checkpoint is untouched; drop what this save wrote.
-        if primary:
+        # An interrupt can land just after the rename: then the new manifest names
+        # this save's data, which must stay (the next save removes the previous).
+        committed = written and not os.path.lexists(tmp)
+        if primary and not committed:
+            # Not committed: the previous checkpoint is untouched; drop what this save wrote.
             _remove_unfinished(folder, name)
             _remove(tmp)
         raise
     if primary:
-        os.replace(tmp, folder / _MANIFEST)
         _fsync_dir(folder)
         if previous is not None and previous != name:
             _remove(folder / previous)
@@ -334,6 +370,11 @@ def load(path: str | os.PathLike[str], like: PyTree) -> PyTree:
         Array([0., 1., 2.], dtype=float32)
     """
     folder = Path(os.fspath(path))
+    with _folder_lock(folder):
+        return _load(folder, like)
+
+
+def _load(folder: Path, like: PyTree) -> PyTree:
     if not folder.exists():
         raise FileNotFoundError(f"tg.load: no checkpoint at {folder} (nothing is there).")
     if not folder.is_dir():
@@ -541,7 +582,12 @@ def _orbax_restore(folder: Path, m: Manifest, request: dict[str, Any]) -> dict[s
 
     assert m.data is not None  # parse: stored arrays imply a data folder
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
-        meta = ck.metadata(folder / m.data).item_metadata.tree
+        item = ck.metadata(folder / m.data).item_metadata
+        if item is None:
+            # orbax found no metadata: the folder changed after its files were checked
+            # (another program saving to the same path removed it).
+            raise _invalid(folder, f"orbax cannot read its data folder {m.data}")
+        meta = item.tree
         # orbax would cast to the requested dtype and reject only some shape
         # differences: check the stored arrays against the manifest first.
         if not isinstance(meta, dict) or set(meta) != set(request):

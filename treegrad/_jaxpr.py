@@ -9,7 +9,8 @@ When the engine compiles a function it traces it once with `jax.jit(...).trace`
   walk could not see it (and so could go stale) is found and reported.
 
 It also empties jax's memo of traced function bodies (`forget_bodies`), which
-no public API reaches without dropping every compiled program.
+no public API reaches without dropping every compiled program, and makes a
+loaded array weakly typed again (`weakly_typed`), which no public API does.
 
 `tests/test_jaxpr.py` pins each of these behaviours and fails loudly if a JAX
 upgrade changes them. They hold on jax 0.10 to 0.12: from 0.11 on,
@@ -42,6 +43,15 @@ def _body_memos() -> list[Any]:
 
 
 _BODY_MEMOS = _body_memos()
+
+
+def weakly_typed(x: jax.Array) -> jax.Array:
+    """`x` weakly typed, as `jnp.asarray(0.5)` is, with its values and sharding (an
+    elementwise conversion to its own dtype): a checkpoint restores the weak type it
+    saved (`_manifest.from_storage`), so the loaded model computes in the same dtypes."""
+    from jax._src.lax.lax import _convert_element_type
+
+    return _convert_element_type(x, weak_type=True)
 
 
 def forget_bodies() -> None:

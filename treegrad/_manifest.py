@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jaxpr import is_tracer
+from ._grads import Grads
+from ._jaxpr import is_tracer, weakly_typed
+from ._optview import SubState
 from ._params import Params
 from ._tree import path_str
 
@@ -74,6 +76,10 @@ class ArrayRecord:
     stored_shape: tuple[int, ...]
     storage: str
     key_impl: str | None
+    # A weakly typed jax array (`jnp.asarray(2.0)`, `jnp.full(n, 0.5)`) promotes
+    # differently (bfloat16 * weak float32 is bfloat16, * float32 is float32): lose
+    # it and a loaded model computes in another dtype than the one that was saved.
+    weak: bool = False
 
     @property
     def stored(self) -> bool:
@@ -200,6 +206,14 @@ def describe(
         if is_array(leaf):
             check_concrete(leaf, path, api)
             check_storable(leaf, path, api)
+            if isinstance(leaf, np.ma.MaskedArray):
+                # An ndarray whose mask orbax would drop: the masked entries would load
+                # as plain values, and nothing would say the mask was lost.
+                raise TypeError(
+                    f"{api}: '{display(path)}' is a numpy masked array, whose mask a "
+                    "checkpoint does not store. Save its .data and np.ma.getmaskarray(x) as "
+                    "two arrays, or x.filled(value)."
+                )
             # Tied weights: one array object at several paths is stored once and
             # restored as one object. Scalars (np.generic) have no identity to keep.
             shared = index.get(id(leaf)) if isinstance(leaf, (jax.Array, np.ndarray)) else None
@@ -260,7 +274,24 @@ def check_not_data(leaf: Any, path: str, api: str) -> None:
 
 
 def check_not_params(leaf: Any, path: str, api: str) -> None:
-    """Refuse a `tg.Params`, in the tree saved or in `like`."""
+    """Refuse a `tg.Params`, a `tg.Grads` or a sub-state view, in the tree saved or in `like`."""
+    if isinstance(leaf, SubState):
+        # A view (`state.l1`) is not a pytree of its arrays: it would store nothing,
+        # and a load would hand `like`'s view, of `like`'s state, back.
+        where = f" at '{display(path)}'" if path else ""
+        raise TypeError(
+            f"{api}: got a part of an optimiser state{where} (state.l1 or state[0], a view "
+            "into the whole state), which a checkpoint does not store. Save the whole state, "
+            "tg.save(path, state), and load it with tg.load(path, tg.setup(rule, model))."
+        )
+    if isinstance(leaf, Grads):
+        # Keyed by array identity, not a pytree: it too would store nothing.
+        where = f" at '{display(path)}'" if path else ""
+        raise TypeError(
+            f"{api}: got a tg.Grads{where}, a mapping keyed by the identity of a model's "
+            "arrays, which a checkpoint does not store. Save grads.named() (a dict from "
+            "path to gradient) or grads.to_tree(model) instead."
+        )
     if isinstance(leaf, Params):
         # A Params is not a pytree of its arrays (it is a leaf): it would store nothing,
         # and a load would hand `like`'s arrays back.
@@ -275,6 +306,7 @@ def check_not_params(leaf: Any, path: str, api: str) -> None:
 
 def _storage_form(x: Any) -> tuple[ArrayRecord, Any]:
     shape = tuple(int(d) for d in x.shape)
+    weak = bool(isinstance(x, jax.Array) and getattr(x, "weak_type", False))  # keys: none
     data: Any
     if _is_key(x.dtype):
         data = jax.random.key_data(x)
@@ -293,7 +325,7 @@ def _storage_form(x: Any) -> tuple[ArrayRecord, Any]:
         data = x.astype(storage)
     else:
         storage, data = name, x
-    return ArrayRecord(shape, name, shape, storage, None), data
+    return ArrayRecord(shape, name, shape, storage, None, weak), data
 
 
 def from_storage(record: ArrayRecord, data: Any) -> Any:
@@ -305,7 +337,9 @@ def from_storage(record: ArrayRecord, data: Any) -> Any:
             return data.view(jnp.dtype(record.dtype))
         return jax.lax.bitcast_convert_type(data, jnp.dtype(record.dtype))
     if record.dtype in _WIDEN:
-        return data.astype(jnp.dtype(record.dtype))
+        data = data.astype(jnp.dtype(record.dtype))
+    if record.weak and isinstance(data, jax.Array):
+        data = weakly_typed(data)  # (a jax internal: `_jaxpr` keeps them all)
     return data
 
 
@@ -332,6 +366,8 @@ def _body(m: Manifest) -> dict[str, Any]:
                 "stored_shape": list(a.stored_shape),
                 "storage": a.storage,
                 "key_impl": a.key_impl,
+                # Only when set: a manifest without weak arrays reads as before.
+                **({"weak": True} if a.weak else {}),
             }
             for a in m.arrays
         ],
@@ -457,8 +493,15 @@ def _array(a: Any) -> ArrayRecord:
         _need(isinstance(a.get(field), str), f"an array's '{field}' is not a string")
     impl = a.get("key_impl")
     _need(impl is None or isinstance(impl, str), "an array's 'key_impl' is not a string")
+    weak = a.get("weak", False)
+    _need(type(weak) is bool, "an array's 'weak' is not a boolean")
     record = ArrayRecord(
-        _shape(a.get("shape")), a["dtype"], _shape(a.get("stored_shape")), a["storage"], impl
+        _shape(a.get("shape")),
+        a["dtype"],
+        _shape(a.get("stored_shape")),
+        a["storage"],
+        impl,
+        weak,
     )
     try:
         storage = jnp.dtype(record.storage)
