@@ -26,6 +26,13 @@ def _chosen(state: Any, api: str) -> tuple[OptState, list[int], str]:
     if isinstance(state, (SubState, Leaf)):
         root = state._root
         return root, state._params_under(), state._scope()
+    if state is None:
+        raise TypeError(
+            f"{api} got None: that is the optimiser state at a place with no trainable "
+            "array (a layer with no parameters, an integer array, an attribute outside "
+            f"__trainable__), which has no hyperparameters. Call {api} on the whole state "
+            "or on a sub-state holding parameters."
+        )
     raise TypeError(
         f"{api} expects an optimiser state from tg.setup, or a part of one (state.l1, "
         f"state[0]), got {type(state).__name__}"
@@ -261,7 +268,10 @@ def freeze_(state: Any) -> None:
     Frozen parameters keep their values and their own optax state entries.
 
     Arguments:
-        state: the (part of the) optimiser state to freeze.
+        state: the (part of the) optimiser state to freeze. `None`, which the
+            state holds at a place with no trainable array (`state[1]` for an
+            activation layer, `state.steps` for an integer array), is a no-op,
+            as Optimisers.jl's `freeze!` of such a place (`()` there) is.
 
     Returns:
         None; the state is changed in place.
@@ -276,6 +286,8 @@ def freeze_(state: Any) -> None:
         >>> model["a"], model["b"]
         (Array([1., 1.], dtype=float32), Array([0.9, 0.9], dtype=float32))
     """
+    if state is None:  # the state of a place with no trainable array: nothing to freeze
+        return
     root, chosen, _ = _chosen(state, "tg.freeze_")
     config = with_frozen(root._config, chosen, True)
     found = mixed_skips(config, config.kept)
@@ -288,7 +300,8 @@ def thaw_(state: Any) -> None:
     """Undo `tg.freeze_` on a state, sub-state or Leaf.
 
     Arguments:
-        state: the (part of the) optimiser state to update again.
+        state: the (part of the) optimiser state to update again; `None` (a
+            place with no trainable array) is a no-op, as in `freeze_`.
 
     Returns:
         None; the state is changed in place.
@@ -300,5 +313,7 @@ def thaw_(state: Any) -> None:
         >>> state["w"].frozen
         False
     """
+    if state is None:  # as in freeze_: a place with no trainable array
+        return
     root, chosen, _ = _chosen(state, "tg.thaw_")
     root._install(with_frozen(root._config, chosen, False), root._leaves)

@@ -11,15 +11,17 @@ import jax.numpy as jnp
 
 from ._layout import keep
 from ._optim import _source
-from ._optstate import trainable_slots
-from ._tree import tree_map_shared, unique_by_id
+from ._optstate import shares_nodes, trainable_slots
+from ._params import Params
+from ._tree import tree_map_shared
 
 
 def destructure(model: Any) -> tuple[jax.Array, Any]:
     """Flatten a model's trainable parameters into one vector, and a way back.
 
     Arguments:
-        model: any model, or a `tg.Params` (its model is used).
+        model: any model, or a `tg.Params` (its model is used; an array removed
+            from the Params is left out of the vector and kept by `rebuild`).
 
     Returns:
         `(flat, rebuild)`: `flat` concatenates every trainable floating-point
@@ -38,8 +40,11 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
         Array([[2., 2.],
                [2., 2.]], dtype=float32)
     """
+    # A Params' own arrays: one removed from it (`ps.remove(model.emb)`) is not a
+    # parameter, so it is not in the vector and `rebuild` leaves it as it is.
+    among = model if isinstance(model, Params) else None
     model = _source(model)
-    leaves, treedef, slots, uniq = trainable_slots(model)
+    leaves, treedef, slots, uniq = trainable_slots(model, among)
     flat, unravel = jax.flatten_util.ravel_pytree(uniq)
 
     def check(v: Any) -> Any:
@@ -66,7 +71,7 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
     # `rebuild` is a jax.tree_util.Partial: the model's arrays it reads are its pytree
     # children, so a function differentiated or compiled through it (and jax.jit given
     # it as an argument) takes them as inputs, not as constants hidden in a closure.
-    if len(unique_by_id(leaves)[0]) < len(leaves):  # tied weights, shared sub-models
+    if shares_nodes(model, leaves):  # tied weights, shared sub-models (with arrays or not)
 
         def rebuild_shared(model: Any, uniq: list[Any], v: Any) -> Any:
             # By position, then by object: under jax.jit the model's leaves arrive as

@@ -202,7 +202,19 @@ def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: li
     held = set(map(id, params))
     if not all(map(held.__contains__, map(id, grads))):
         # Never a silent no-op: these gradients belong to arrays the model no longer holds.
-        name = next(n for n, p in zip(grads.named(), grads, strict=True) if id(p) not in held)
+        name, x = next(
+            (n, p) for n, p in zip(grads.named(), grads, strict=True) if id(p) not in held
+        )
+        if any(leaf is x for leaf in m_leaves):
+            # The model holds it, but the state was set up without it: removed from the
+            # Params then, added back since (or a place __trainable__ leaves out).
+            raise ValueError(
+                f"{api}: the Grads hold a gradient for '{name}', an array of the model that "
+                "was not a parameter when the optimiser state was set up (it had been removed "
+                "from the Params, or __trainable__ leaves it out), so it has no optimiser state "
+                "and would never be trained. Set the state up again for the Params as they are "
+                "now (state = tg.setup(rule, ps)), or remove the array from the Params."
+            )
         if not any(map(held.__contains__, map(id, grads))):
             raise ValueError(
                 f"{api}: the Grads hold gradients for arrays none of which is a parameter of "

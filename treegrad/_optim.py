@@ -57,7 +57,9 @@ def setup(rule: optax.GradientTransformation, model: Any) -> OptState:
             attributes outside `__trainable__`, and the second and later
             places of a tied array). Label and mask trees for
             `optax.multi_transform` and `optax.masked` have that structure.
-        model: a model (Module, dict, list, any pytree) or a `tg.Params`.
+        model: a model (Module, dict, list, any pytree) or a `tg.Params`: its
+            model, with the arrays removed from the Params (`ps.remove(x)`)
+            not trained, as those outside `__trainable__` are not.
 
     Returns:
         An `OptState`: `state.l1` is the state of `model.l1`, `state[0]` of
@@ -78,7 +80,10 @@ def setup(rule: optax.GradientTransformation, model: Any) -> OptState:
             f"tg.setup expects an optax GradientTransformation (e.g. optax.adam(1e-3)), "
             f"got {type(rule).__name__}."
         )
-    return OptState(*build(rule, _source(model)))
+    # A Params' own arrays: one removed from it is not a parameter (no state, not seen
+    # by the rule), as for a plain optax user given the Params' arrays.
+    among = model if isinstance(model, Params) else None
+    return OptState(*build(rule, _source(model), among))
 
 
 # --- checks and plumbing around the step -------------------------------------------------
@@ -370,14 +375,15 @@ def _update_plain(state: OptState, model: Any, grads: Any) -> tuple[OptState, An
     """`update` of the usual step in one go, or None for `_run` to check and run it.
 
     The usual step: every leaf of the model its own trainable parameter, none
-    frozen, none held twice, on one device; the gradient tree of the model's own
-    structure with an array at every leaf (the generated flatten sees to that).
+    frozen, no array or sub-model held twice, on one device; the gradient tree of
+    the model's own structure with an array at every leaf (the generated flatten
+    sees to that).
     A step that fails is run again by `_run`, which says what is wrong: the
     step changes nothing, so running it twice loses nothing.
     """
     config = state._config
     shape = config._shape
-    if shape is None or not config.plain or config.kept or several_devices():
+    if shape is None or not config.plain or config.tied or config.kept or several_devices():
         return None
     params = shape.flatten(model)
     if params is None or len(set(map(id, params))) != len(params):

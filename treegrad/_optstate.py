@@ -88,7 +88,8 @@ class _Config:
     model's distinct trainable arrays, shared by the places of a tied array),
     -2 at a trainable place that held no floating-point array at setup (an
     integer array, a Python number), or -1; `owner[i]` the part that updates
-    parameter `i`; `frozen` the parameters no part updates.
+    parameter `i`; `frozen` the parameters no part updates; `tied` whether the model
+    holds an array or a sub-model at two places (`shares_nodes`).
     """
 
     __slots__ = (
@@ -602,16 +603,24 @@ def _refuse_lookahead(state: Any) -> None:
         )
 
 
-def trainable_slots(model: Any) -> tuple[list[Any], Any, list[int], list[Any]]:
+def trainable_slots(model: Any, among: Any = None) -> tuple[list[Any], Any, list[int], list[Any]]:
     """Flatten `model` and number its distinct trainable arrays.
 
     Returns `(leaves, treedef, slots, uniq)`: `slots[p]` is the index in
     `uniq` of the array at leaf position `p` (the same for every place of a
     tied array); -2 where the leaf may be trained but is not floating-point (an
     integer array, a Python number), -1 where it is not to be trained.
+
+    `among`: the `tg.Params` that `model` is the source of, or None. An array
+    removed from it (`ps.remove(model.emb)`) is not a parameter (-1): the rule
+    sees the Params' arrays, as a plain optax user given them would.
     """
     leaves, treedef = jax.tree_util.tree_flatten(model)
     places = {id(leaf) for _, leaf in trainable_leaves_with_path(model)}
+    if among is not None:
+        wanted = set(map(id, among))
+        removed = {id(x) for x in leaves if id(x) in places and is_differentiable(x)} - wanted
+        places -= removed
     tpos = [p for p, leaf in enumerate(leaves) if id(leaf) in places and is_differentiable(leaf)]
     uniq, tslots = unique_by_id(leaves[p] for p in tpos)
     slots = [-2 if id(leaf) in places else -1 for leaf in leaves]
@@ -620,15 +629,47 @@ def trainable_slots(model: Any) -> tuple[list[Any], Any, list[int], list[Any]]:
     return leaves, treedef, slots, uniq
 
 
-def build(rule: Any, model: Any) -> tuple[_Config, list[Any]]:
-    """The configuration and optax state arrays of `tg.setup(rule, model)`."""
-    leaves, treedef, slots, uniq = trainable_slots(model)
+def shares_nodes(model: Any, leaves: Sequence[Any]) -> bool:
+    """Whether `model` holds an array or a sub-model at two places.
+
+    A shared sub-model that holds arrays is found by its leaves (the same objects
+    twice); one that holds none (an activation layer used twice, all its
+    attributes static) only by walking the nodes. Either must come back as one
+    object from a pure `update` or a `rebuild`, which a flatten/unflatten round
+    trip would not do (`tree_map_shared` does).
+    """
+    if len(unique_by_id(leaves)[0]) < len(leaves):
+        return True
+    seen: set[int] = set()
+    held: list[Any] = []  # keeps the ids valid: a foreign pytree may flatten to temporaries
+    stack = [model]
+    while stack:
+        node = stack.pop()
+        level = functor(node)
+        if level is None:
+            continue
+        # Tuples are immutable: one held twice is not told apart from two equal ones;
+        # None is one object wherever it is.
+        if node is not None and not isinstance(node, tuple):
+            if id(node) in seen:
+                return True
+            seen.add(id(node))
+            held.append(node)
+        stack.extend(child for _, child in level[0])
+    return False
+
+
+def build(rule: Any, model: Any, among: Any = None) -> tuple[_Config, list[Any]]:
+    """The configuration and optax state arrays of `tg.setup(rule, model)` (`among`: see
+    `trainable_slots`)."""
+    leaves, treedef, slots, uniq = trainable_slots(model, among)
     parts: tuple[_Part, ...] = ()
     state_leaves: list[Any] = []
     if uniq:
         part, state_leaves = new_part(rule, treedef, slots, leaves, "")
         parts = (part,)
-    tied = len(unique_by_id(leaves)[0]) < len(leaves)
+    # Tied arrays, or a sub-model at two places: rebuilt keeping that sharing.
+    tied = shares_nodes(model, leaves)
     avals = tuple((tuple(x.shape), x.dtype) for x in uniq)
     config = _Config(treedef, tuple(slots), parts, (0,) * len(uniq), frozenset(), tied, avals)
     return config, state_leaves
@@ -762,6 +803,7 @@ __all__ = [
     "MIXED",
     "RAVELED",
     "build",
+    "shares_nodes",
     "graft",
     "mixed_skips",
     "new_part",
