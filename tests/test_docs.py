@@ -119,6 +119,23 @@ def actual_messages(tmp_path):
         tg.gradient(loss, model)
     out.append(str(w[0].message).replace("actual_messages.<locals>.", ""))
 
+    class Trainer:
+        def __init__(self):
+            self.step = 0
+
+    trainer = Trainer()
+
+    @tg.jit
+    def train_step(x, y):
+        trainer.step += 1
+        lr = 1e-2 if trainer.step < 1000 else 1e-3
+        return jnp.sum((x - y) ** 2) * lr
+
+    with pytest.warns(tg.RetraceWarning) as w:
+        for _ in range(2):
+            train_step(x, y[:, :1])
+    out.append(str(w[0].message).replace("actual_messages.<locals>.", ""))
+
     counts = np.zeros(2)
 
     def f(w):

@@ -338,10 +338,25 @@ def test_same_code_different_closures_alternating_never_retraces():
     assert traces == [2.0, 3.0, -1.0], f"re-traced: {traces}"
 
 
-def test_counters_and_logs_the_function_writes_do_not_retrace():
-    n = {"calls": 0}
+def test_logs_the_function_appends_to_do_not_retrace():
+    # A list it only appends to is its output (as with jax.jit: appended when traced).
     log = []
     traces = []
+
+    def f(v):
+        log.append("called")
+        traces.append(1)
+        return jnp.sum(v) * 2.0
+
+    for _ in range(4):
+        np.testing.assert_allclose(tg.gradient(f, w)[0], [2.0] * 3)
+    assert len(traces) == 1 and log == ["called"]
+
+
+def test_counters_the_function_changes_are_read_fresh_as_uncompiled():
+    # A number it changes, it can read: each call sees what the last one left, as
+    # uncompiled (before, the second call reused the first trace: 1.0 instead of 0.5).
+    n = {"calls": 0}
 
     def make():
         count = 0
@@ -350,16 +365,17 @@ def test_counters_and_logs_the_function_writes_do_not_retrace():
             nonlocal count
             count += 1
             n["calls"] += 1
-            log.append("called")
-            traces.append(1)
-            return jnp.sum(v) * 2.0
+            return jnp.sum(v) * 2.0 / count
 
         return f
 
     f = make()
-    for _ in range(4):
-        np.testing.assert_allclose(tg.gradient(f, w)[0], [2.0] * 3)
-    assert len(traces) == 1
+    said = r"changes values it can read while traced \(closure variable 'count', dict entry"
+    with pytest.warns(tg.RetraceWarning, match=said):
+        for i in range(1, 5):
+            np.testing.assert_allclose(tg.gradient(f, w)[0], [2.0 / i] * 3, rtol=1e-6)
+    assert n["calls"] == 4
+    assert f.__closure__[0].cell_contents == 4
 
 
 @pytest.mark.parametrize(

@@ -134,11 +134,12 @@ class Config:
         self.calls = 0
 
 
+@pytest.mark.filterwarnings("ignore:.*changes values it can read")  # (traced each call)
 def test_a_plain_object_argument_changed_in_place_is_read_fresh():
     cfg = Config(2.0)
 
     def loss(v, c):
-        c.calls += 1  # written by the function: bookkeeping, not re-traced for
+        c.calls += 1  # a number it changes, it can read: advanced on each call
         return jnp.sum(v**2) * c.scale
 
     for s in (2.0, 3.0):
@@ -151,10 +152,10 @@ def test_a_plain_object_argument_changed_in_place_is_read_fresh():
         _y, back = tg.pullback(loss, w, cfg)
         np.testing.assert_allclose(back(1.0)[0], 2 * w * s, rtol=1e-6)
         np.testing.assert_allclose(tg.jit(loss)(w, cfg), s * jnp.sum(w**2), rtol=1e-6)
-    traced = cfg.calls
+    calls = cfg.calls
     for _ in range(3):
         tg.gradient(loss, w, cfg)
-    assert cfg.calls == traced  # unchanged: the cached program
+    assert cfg.calls == calls + 3  # as uncompiled
 
 
 def test_a_plain_object_inside_a_container_argument_is_read_fresh():

@@ -70,6 +70,9 @@ _RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots, Any]] = {}
 _SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
 MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES, NUMPY_VALUES]
+# Per function: how many traces in a row changed a value it can read (`_warn_changed`).
+_CHANGING: dict[Any, int] = {}
+MEMOS.append(_CHANGING)
 
 
 # Calls from several threads take turns, the optimiser's `update`s too. While a function
@@ -130,9 +133,17 @@ def execute(
         entry, out = _new(make, call, params)
         if program != CALL and call.a_statics is not None:
             _warn_opaque_argument(entry, roots[0])
+        if entry.changed:
+            _CHANGING[rk] = _CHANGING.get(rk, 0) + 1
+        else:
+            _CHANGING.pop(rk, None)
         if entry.cacheable:
             _remember(recent_key, call, _store(call.key, entry))
         else:
+            if _CHANGING.get(rk, 0) >= 2 and not entry.drew:
+                # (Not after one trace: a write made on the first call only, a default
+                # filled in. Not for a random state or iterator: `_warn_drew` says it.)
+                _warn_changed(entry, roots[0])
             if entry.hidden and all(random for _, random in entry.drew):
                 # (Arrays an iterator yields are hidden too: the iterator is named below.)
                 _warn_hidden(entry, roots[0])
@@ -315,6 +326,25 @@ def _warn_lost(entry: Entry, f: Any) -> None:
         f"the function is traced again on every call. {instead}, or put an array there "
         "before the first call: an array the function replaces is written back after "
         "every call."
+    )
+
+
+def _warn_changed(entry: Entry, f: Any) -> None:
+    """The function changes, on each call, a value it can read (a counter it increments):
+    uncompiled, each call reads the value the last one left, so no trace is reused
+    (`_settle.Settle._changed`). Said once, with the fixes."""
+    if not _first(f, "changed"):
+        return
+    what = ", ".join(entry.changed[:5])
+    _say(
+        f"{entry.api}: {describe(f)} changes values it can read while traced ({what}). "
+        "Uncompiled, each call would read the value the call before left there (a counter "
+        "a schedule reads, `self.step += 1`), so a compiled trace cannot be reused: the "
+        "function is traced and compiled again on every call. To compile it once, keep "
+        "such counters outside the function and pass the value in, or make the value a "
+        "jax array (`self.step = self.step + 1` with `self.step = jnp.array(0)`): an array "
+        "the function replaces is an output, written back after every call. A list it "
+        "appends to (a log of Python values) is an output too: appended when traced."
     )
 
 

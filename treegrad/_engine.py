@@ -115,6 +115,7 @@ class Entry:
         self.cacheable = True
         self.hidden: list[str] = []
         self.lost: list[str] = []  # where the trace stored traced values, taken out again
+        self.changed: list[str] = []  # values it can read that it changed (`Settle._changed`)
         self.consumed = walk.consumed  # random states and iterators it may draw from
         self.drew: list[tuple[str, bool]] = []  # those a trace drew from (`_draws`)
         self.cl_slots: tuple[int, ...] | None = None

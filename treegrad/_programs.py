@@ -193,6 +193,7 @@ def _user(
             entry.lost += [w for w in settle.lost if w not in entry.lost]
             entry.drew += [(t, False) for t in settle.took if (t, False) not in entry.drew]
             entry.wrote = entry.wrote or settle.wrote
+            entry.changed += [w for w in settle.changed if w not in entry.changed]
             entry.demoted = entry.demoted or settle.demoted
             return out, written
         finally:

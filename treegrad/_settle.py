@@ -79,6 +79,11 @@ class Settle:
         # `Swap.detrace` once the trace is over.
         self.rebound: list[list[Any]] = []
         self._ours: set[int] | None = None
+        # Places holding a value the function can read that it changed itself (a counter
+        # `c["n"] += 1`, a helper it swapped, an entry it deleted): uncompiled, the next
+        # call reads the new value, so this trace is not reused (`_changed`).
+        self.changed: list[str] = []
+        self._at: str | None = None  # the place `node` is looking at, when `_entry` knows it
 
     def _our_ids(self) -> set[int]:
         """Ids of the values put in the places for the trace (made once, when needed)."""
@@ -111,12 +116,33 @@ class Settle:
         self.took.append(f"a {type(v).__name__} it captures (entries taken out)")
         self.cacheable = False
 
-    def _demote(self, node: Node, v: Any) -> Node:
+    def _demote(self, node: Node, v: Any, log: bool = False) -> Node:
+        """The node of a place whose value the function changed: no longer checked. Unless
+        `log` (a list or set it only adds to: an output, see `_changed`), this trace is
+        not reused."""
         if has_places(node) or is_array(v):
             raise Unsettled
         if not isinstance(node, Unchecked):
             self.demoted = True
+            if not log:
+                self._changed()
         return Unchecked()
+
+    def _changed(self, where: str | None = None) -> None:
+        """The function changed a value it can read: a number (`self.step += 1`, `c["n"]
+        *= 2`), a helper, an entry it deleted, a default it filled in on first use. Its
+        result may depend on that value (`lr = sched(self.step)`), so, as uncompiled, the
+        next call must read the new one: this trace is not reused, and the next call
+        traces again with the value as it finds it. A write made once (a default filled
+        in, `self.training = True`) costs one trace more, then the value is checked as an
+        input; one made on every call (a counter) has the function traced on every call,
+        said once (`_cache._warn_changed`). A list or set it only appends to (a log,
+        `traces.append(1)`) is its output instead, as with `jax.jit`: appended when
+        traced, not checked."""
+        self.cacheable = False
+        where = where or self._at or "a value it captures"
+        if where not in self.changed:
+            self.changed.append(where)
 
     def _entries(
         self, items: list[tuple[Any, Node]], d: dict[Any, Any], skipped: Any = (), of: str = ""
@@ -137,6 +163,7 @@ class Settle:
                 raise Unsettled
             else:
                 self.demoted = True
+                self._changed(_where(key, of))  # an entry it deleted
         known = {key for key, _ in items}.union(skipped)
         for key in [k for k in d if k not in known]:
             if self._kept(d[key], d.__setitem__, key):
@@ -162,7 +189,11 @@ class Settle:
             return node
         if has_places(node) and _holds_tracer(value):
             self.rebound.append([put, key, value])
-        return self.node(node, value)
+        at, self._at = self._at, where
+        try:
+            return self.node(node, value)
+        finally:
+            self._at = at
 
     def _added(self, value: Any, remove: Callable[[], Any], where: str) -> Node:
         """An entry the function added to a dict or object while traced."""
@@ -171,6 +202,9 @@ class Settle:
         if any(map(is_array, _leaves(value))):
             raise Unsettled
         self.demoted = True
+        # A default filled in on first use (`setdefault`, a lazy attribute, a
+        # cached_property): the next call reads it, so it is checked from then on.
+        self.cacheable = False
         return Unchecked()
 
     def _dropped(self, value: Any, remove: Callable[[], Any], where: str) -> bool:
@@ -247,7 +281,8 @@ class Settle:
                 return node
             if type(v) is node.type and len(v) < node.size():
                 self._took(v)
-            return self._demote(node, v)
+            # A set or deque it adds to (a log): its output, not reused as an input.
+            return self._demote(node, v, log=type(v) is node.type and len(v) > node.size())
         if isinstance(node, Same):
             return node if v is node.get() else self._demote(node, v)
         if isinstance(node, Unchecked):
@@ -280,8 +315,13 @@ class Settle:
             if isinstance(v, list) and len(v) < n:
                 self._took(v)
             if type(v) is not node.type or len(v) != len(node.items):
-                return self._demote(node, v)
-            node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
+                # A list it appends to (a log, `traces.append(1)`): its output.
+                return self._demote(node, v, log=type(v) is node.type and len(v) > n)
+            at, self._at = self._at, self._at and f"an item of {self._at}"
+            try:
+                node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
+            finally:
+                self._at = at
             return self._container(node, [c for c in node.items])
         if isinstance(node, Map):
             if type(v) is not node.type:
@@ -316,8 +356,11 @@ class Settle:
                         continue
                     if self._dropped(value, functools.partial(_empty_cell, cell), place):
                         value = MISSING
+                    if value is not MISSING:
+                        self.cacheable = False  # filled on first use: read from now on
                     cells.append(None if value is MISSING else self._demote(Unchecked(), value))
                 elif value is MISSING:
+                    self._changed(place)  # emptied (`del`)
                     cells.append(self._demote(cell_node, value))
                 else:
                     put = functools.partial(_put_cell, cell)
@@ -336,10 +379,13 @@ class Settle:
                         value, functools.partial(g.pop, name, None), f"global {name!r}"
                     ):
                         value = MISSING
+                    if value is not MISSING:
+                        self.cacheable = False  # a new global: read from now on
                     names.append(
                         (name, None if value is MISSING else self._demote(Unchecked(), value))
                     )
                 elif value is MISSING:
+                    self._changed(f"global {name!r}")  # deleted
                     names.append((name, self._demote(global_node, value)))
                 else:
                     place = f"global {name!r}"
@@ -413,6 +459,9 @@ class Settle:
             # counter): arrays it rebound are written back. The node keeps the old
             # structure, so the next call fails its guard and traces again, reading
             # the changed value fresh, as the uncompiled function would.
+            if treedef != node.treedef:
+                at = f" ({self._at})" if self._at else ""
+                self._changed(f"the static data of a {type(v).__name__}{at}")
             node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]
             return node
         if isinstance(node, ParamsNode):
