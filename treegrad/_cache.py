@@ -36,7 +36,7 @@ from ._walk import _SLOT_NAMES, describe
 class RetraceWarning(UserWarning):
     """Warned once per function that treegrad must trace again on every call.
 
-    Three causes, each named in the message with its fix. The function captures
+    Four causes, each named in the message with its fix. The function captures
     arrays treegrad cannot track: it is re-traced on every call, so its result is
     never stale. treegrad sees into closures, globals, containers, plain objects,
     classes and pytrees; an array inside, say, a `collections.deque` is out of
@@ -44,6 +44,8 @@ class RetraceWarning(UserWarning):
     your objects (a loss log it appends to): they cannot stay there as tracers,
     so they are taken out again after each trace. Or it draws from numpy's or
     Python's random generators while traced: compiled, the draw would repeat.
+    Or it changes, on every call, a Python value it can read (a counter it
+    advances, `self.step += 1`): compiled, the next call would read the old one.
 
     Examples:
         >>> import collections, warnings, jax.numpy as jnp, treegrad as tg
