@@ -212,7 +212,7 @@ def test_lbfgs_setup_equals_plain_optax_init():
     rule = optax.lbfgs()
     ref = rule.init(model)  # plain optax: fine
     # tg.setup: IndexError: list index out of range, from the zoom line search's init
-    # given optax.tree_map_params' placeholder (_optstate._map_param_subtrees).
+    # given optax.tree_map_params' placeholder (_optstatemap._map_param_subtrees).
     state = tg.setup(rule, model)
     assert_leaves_equal(state, ref)
 

@@ -7,7 +7,7 @@ Fixes found by the port (each test below fails without its fix):
 
 - A sub-model held at two places that holds no array (an activation layer used twice)
   came back as two objects from a pure `tg.update` and from `destructure`'s `rebuild`:
-  the tie detection looked at leaves only (`_optstate.shares_nodes`).
+  the tie detection looked at leaves only (`_optbuild.shares_nodes`).
 - `tg.freeze_`/`tg.thaw_` of the state at a place with no trainable array (`None`:
   an activation layer, an integer array) said "got NoneType"; now a no-op, as
   Optimisers.jl's `freeze!` of such a place (`()`) is.

@@ -2,7 +2,7 @@
 `adjust_`, on the whole state or a sub-state) and freezing (`freeze_`, `thaw_`).
 
 A sub-state adjusted or frozen apart from the rest gets a part of its own
-(`_optstate.own_part`), so its moments and counters carry over.
+(`_optbuild.own_part`), so its moments and counters carry over.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._jaxpr import is_tracer
-from ._optstate import _Config, mixed_skips, own_part, split_leaves, with_frozen
+from ._optbuild import own_part, split_leaves, with_frozen
+from ._optstate import _Config
+from ._optstatemap import mixed_skips
 from ._optview import Leaf, OptState, SubState, rule_name, skip_problem
 
 

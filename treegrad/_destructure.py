@@ -10,8 +10,8 @@ import jax.flatten_util
 import jax.numpy as jnp
 
 from ._layout import keep
+from ._optbuild import shares_nodes, trainable_slots
 from ._optim import _source
-from ._optstate import shares_nodes, trainable_slots
 from ._params import Params
 from ._tree import tree_map_shared
 

@@ -62,8 +62,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _manifest
-from ._manifest import Manifest, ManifestError, Target, display
+from . import _manifest, _manifestmatch, _manifesttext
+from ._manifest import Manifest, display
+from ._manifestmatch import Target
+from ._manifesttext import ManifestError
 from ._optview import OptState
 from ._typing import PyTree
 
@@ -190,7 +192,7 @@ def _save(
                 _frozen_of(tree),
             )
             with open(tmp, "xb") as f:
-                f.write(_manifest.dump(manifest))
+                f.write(_manifesttext.dump(manifest))
                 f.flush()
                 os.fsync(f.fileno())
             written = True
@@ -380,7 +382,7 @@ def _load(folder: Path, like: PyTree) -> PyTree:
     if not folder.is_dir():
         raise _invalid(folder, f"it is {_sniff(folder)}, and tg.save writes a folder")
     m = _read_manifest(folder)
-    targets, rebuild = _manifest.match(m, like, str(folder))
+    targets, rebuild = _manifestmatch.match(m, like, str(folder))
     _one_placement(targets, like)
     _verify_files(folder, m)
     restored = _restore(folder, m, targets)
@@ -473,7 +475,7 @@ def _read_manifest(folder: Path) -> Manifest:
         )
         raise _invalid(folder, why)
     try:
-        return _manifest.parse(p.read_bytes())
+        return _manifesttext.parse(p.read_bytes())
     except ManifestError as e:
         raise _invalid(folder, f"its manifest {_MANIFEST} is damaged: {e}") from None
 

@@ -3,7 +3,7 @@
 As in Optimisers.jl, `setup` builds a state that mirrors the model and
 `update` walks model, gradients and state together; the optimiser does not
 know which gradient style produced the gradients. The state is one optax
-state over the trainable tree (`_optstate.py`), seen through the model's shape
+state over the trainable tree (`_optbuild.py`), seen through the model's shape
 (`_optview.py`), so every optax rule, including those that look across
 parameters, gives plain optax's result. The step itself is one compiled call
 (`_optstep.py`); this module checks everything before it runs, so a failed
@@ -27,9 +27,11 @@ from ._cache import TURN
 from ._grads import Grads
 from ._jaxpr import is_tracer
 from ._layout import placements, several_devices, state_on_other_devices
+from ._optbuild import build
 from ._optgrads import _from_mapping, _from_tree, _mismatch
 from ._optguard import RuleGuard, holder
-from ._optstate import _Config, build, holders, mixed_skips
+from ._optstate import _Config, holders
+from ._optstatemap import mixed_skips
 from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState, skip_problem
 from ._params import Params

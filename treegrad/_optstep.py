@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import optax
 
 from ._layout import constrain
-from ._optstate import MIXED, RAVELED, _Config
+from ._optstate import _Config
+from ._optstatemap import MIXED, RAVELED
 from ._optview import rule_name
 from ._tree import describe_leaf, is_inexact
 

@@ -17,7 +17,9 @@ from typing import Any, NoReturn, Self
 import jax
 
 from ._fasttree import register_tuple_node
-from ._optstate import MIXED, _Config, _Pos, graft, param_state
+from ._optbuild import graft
+from ._optstate import _Config, _Pos
+from ._optstatemap import MIXED, param_state
 from ._paths import register_in_place
 
 

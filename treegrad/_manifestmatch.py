@@ -1,0 +1,235 @@
+"""Matching a checkpoint's records with the tree `like` that `tg.load` fills.
+
+`match(manifest, like)` pairs the leaf records (`_manifest.py`) with the leaves
+of `like`, naming the first path whose structure, shape, dtype or tying
+differs, and saying why when it can: containers of another type, keys that
+print alike, an optimiser state set up with another rule or sub-state rules.
+Apart from the records and their text form because it is the load-side check
+of a tree against another, with its own messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._manifest import (
+    LeafRecord,
+    Manifest,
+    _is_key,
+    _value_type,
+    check_concrete,
+    check_not_params,
+    container_names,
+    describe_array,
+    display,
+    is_array,
+    leaves_with_keys,
+)
+
+# What jax.eval_shape makes of a Python number: a scalar ShapeDtypeStruct of
+# this kind of dtype (weakly typed, but for bool).
+_SCALAR_KINDS: dict[str, type] = {
+    "bool": np.bool_,
+    "int": np.signedinteger,
+    "float": np.floating,
+    "complex": np.complexfloating,
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where stored array `array` goes: the `like` leaf that decides its type and sharding."""
+
+    array: int
+    leaf: Any
+
+
+def match(
+    m: Manifest, like: Any, where: str, api: str = "tg.load"
+) -> tuple[list[Target | LeafRecord | None], Callable[[list[Any]], Any]]:
+    """Pair each leaf of `like` with the manifest; raise ValueError at the first difference.
+
+    Returns one entry per leaf of `like` (a `Target` for an array, the record
+    for a saved Python value, None to keep `like`'s leaf) and a function that
+    rebuilds `like`'s structure from new leaves.
+    """
+    saved = {r.keys: r for r in m.leaves}
+    out: list[Target | LeafRecord | None] = []
+    owner: dict[int, tuple[str, int]] = {}  # id of a like array -> (first path, its array)
+    used: set[tuple[str, ...]] = set()
+    containers = container_names(like)
+    for (keys, path, leaf), inside in zip(leaves_with_keys(like), containers, strict=True):
+        check_not_params(leaf, path, api)
+        r = saved.get(keys)
+        name = display(path)
+        if r is None:
+            raise _missing(m, keys, inside, leaf, name, where, api)
+        used.add(keys)
+        if _is_saved_python_scalar(leaf, r):
+            out.append(r)  # the saved Python number, as the tree that was saved held it
+        elif is_array(leaf):
+            check_concrete(leaf, path, api)
+            if r.kind != "array":
+                raise ValueError(
+                    f"{api}: '{name}' is an array ({describe_array(leaf)}) in the model but a "
+                    f"{r.type} in the checkpoint {where}."
+                )
+            assert r.array is not None  # parse guarantees it for kind "array"
+            a = m.arrays[r.array]
+            if tuple(leaf.shape) != a.shape or str(leaf.dtype) != a.dtype:
+                raise ValueError(
+                    f"{api}: '{name}' is {describe_array(leaf)} in the model but "
+                    f"{a.dtype}{list(a.shape)} in the checkpoint {where}."
+                )
+            if isinstance(leaf, (jax.Array, np.ndarray)):
+                first, array = owner.setdefault(id(leaf), (name, r.array))
+                if array != r.array:
+                    raise ValueError(
+                        f"{api}: '{name}' and '{first}' are one (tied) array in the model but "
+                        f"two different arrays in the checkpoint {where}; load into a model "
+                        "built without that tie."
+                    )
+            out.append(Target(r.array, leaf))
+        elif r.kind == "array":
+            raise ValueError(
+                f"{api}: '{name}' is a {type(leaf).__name__} in the model but an array "
+                f"({m.arrays[r.array or 0].dtype}{list(m.arrays[r.array or 0].shape)}) in the "
+                f"checkpoint {where}."
+            )
+        elif r.kind == "value":
+            if _value_type(leaf) != r.type:
+                raise ValueError(
+                    f"{api}: '{name}' is a {type(leaf).__name__} in the model but a {r.type} "
+                    f"({r.value!r}) in the checkpoint {where}."
+                )
+            out.append(r)
+        else:
+            out.append(None)
+    extra = [r for r in m.leaves if r.keys not in used]
+    if extra:
+        path = display(extra[0].path)
+        hint = "Load into a model built like the one that was saved."
+        if _STATE in (extra[0].containers or ()) and ":" not in path:
+            hint = (
+                "It is an entry of a saved optimiser state: the optimiser rule in `like` "
+                "differs from the one the state was saved with. Load into "
+                "tg.setup(rule, model) with the rule that was saved."
+            )
+        elif ":" in path:
+            # Named `sub.model:...`: a sub-state that had a rule or hyperparameters of
+            # its own when saved; a fresh tg.setup has not (yet).
+            hint = (
+                f"It is an entry of the sub-state '{path.split(':')[0]}', which had a rule or "
+                "hyperparameters of its own when saved (state[...] = rule, or tg.adjust_ of a "
+                "sub-state): set the fresh state up the same way before loading into it."
+            )
+        raise ValueError(
+            f"{api}: the checkpoint {where} has '{path}', which the model lacks. {hint}"
+        )
+    treedef = jax.tree_util.tree_structure(like)
+    return out, lambda new: jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _is_saved_python_scalar(leaf: Any, r: LeafRecord) -> bool:
+    """`leaf` is what `jax.eval_shape` makes of the Python number `r` saved."""
+    kind = _SCALAR_KINDS.get(r.type or "") if r.kind == "value" else None
+    return (
+        kind is not None
+        and isinstance(leaf, jax.ShapeDtypeStruct)
+        and leaf.shape == ()
+        and not _is_key(leaf.dtype)
+        and bool(jnp.issubdtype(leaf.dtype, kind))
+        # eval_shape marks Python numbers weakly typed (bools excepted): a
+        # strongly typed scalar in `like` asks for an array, and gets an error.
+        and (leaf.weak_type or kind is np.bool_)
+    )
+
+
+def _missing(
+    m: Manifest,
+    keys: tuple[str, ...],
+    inside: tuple[str, ...],
+    leaf: Any,
+    name: str,
+    where: str,
+    api: str,
+) -> ValueError:
+    """The error for a leaf of `like` the checkpoint lacks, naming the containers if they differ."""
+    differ = _container_difference(m, keys, inside)
+    if differ is not None:
+        at, ours, theirs = differ
+        return ValueError(
+            f"{api}: the containers differ: {at} is of type {ours} in the model but of type "
+            f"{theirs} in the checkpoint {where} (so the model's '{name}' is not in it). Load "
+            "into a model built like the one that was saved."
+        )
+    what = describe_array(leaf) if is_array(leaf) else type(leaf).__name__
+    alike = next((r for r in m.leaves if r.path == name), None)
+    if alike is not None:
+        # Two keys that print alike in a dotted path ({1: x} and {"1": x}): show both.
+        return ValueError(
+            f"{api}: the model has {''.join(keys)} ({what}) but the checkpoint {where} has "
+            f"{''.join(alike.keys)} there instead (the keys differ in type; both read "
+            f"'{name}'). Load into a model built like the one that was saved."
+        )
+    if _STATE in inside:
+        depth = inside.index(_STATE)
+        saved = [r for r in m.leaves if r.keys[:depth] == keys[:depth]]
+        if saved and all(_STATE in (r.containers or ()) for r in saved):
+            held = ", ".join(f"'{_inner(r.path, depth)}'" for r in saved[:3])
+            inner = _inner(name, depth)
+            at = f" at '{name[: len(name) - len(inner) - 1]}'" if depth else ""
+            return ValueError(
+                f"{api}: the optimiser state{at} in `like` has '{inner}' "
+                f"({what}) but the state in the checkpoint {where} does not (it has {held}"
+                f"{', ...' if len(saved) > 3 else ''}): the optimiser rule differs from the "
+                "one the state was saved with. Load into tg.setup(rule, model) with the rule "
+                "that was saved (and the same sub-state rules and adjusts)."
+            )
+    return ValueError(
+        f"{api}: the model has '{name}' ({what}) but the checkpoint {where} does not. "
+        "Load into a model built like the one that was saved."
+    )
+
+
+_STATE = "OptState"  # the type name a state's leaves have above them in `containers`
+
+
+def _inner(path: str, depth: int) -> str:
+    """A state leaf's name: its dotted path without the `depth` keys above the state."""
+    return path.split(".", depth)[-1] if depth else path
+
+
+def _container_difference(
+    m: Manifest, keys: tuple[str, ...], inside: tuple[str, ...]
+) -> tuple[str, str, str] | None:
+    """(where, model's type, checkpoint's type) of the first container on `keys`'s path
+    whose type differs from the saved leaf sharing the longest key prefix, if any."""
+    best: LeafRecord | None = None
+    depth = -1
+    for r in m.leaves:
+        n = _common_prefix(r.keys, keys)
+        if r.containers is not None and n > depth:
+            best, depth = r, n
+    if best is None or best.containers is None or depth >= min(len(keys), len(best.keys)):
+        return None
+    ours, theirs = inside[depth], best.containers[depth]
+    if ours == theirs:
+        return None
+    at = f"the container at {''.join(keys[:depth])}" if depth else "the root"
+    return at, ours, theirs
+
+
+def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
