@@ -240,7 +240,7 @@ class Settle:
             if type(child) is Array and id(value) not in moved and is_array(value):
                 self.written[child.place] = value
         if self.written:
-            raise Unsettled(f"the structure of a {kind} it captures changed")
+            raise Unsettled(f"the structure of {_a(kind)} it captures changed")
 
     def node(self, node: Node, v: Any) -> Node:
         self.values[id(node)] = v
@@ -461,7 +461,7 @@ class Settle:
             # the changed value fresh, as the uncompiled function would.
             if treedef != node.treedef:
                 at = f" ({self._at})" if self._at else ""
-                self._changed(f"the static data of a {type(v).__name__}{at}")
+                self._changed(f"the static data of {_a(type(v).__name__)}{at}")
             node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]
             return node
         if isinstance(node, ParamsNode):
@@ -507,7 +507,12 @@ class Scrub(Settle):
 
 def _where(key: Any, of: str) -> str:
     """A place in a dict (`of` empty) or in an object's `__dict__`, for messages."""
-    return f"attribute {key!r} of a {of}" if of else f"dict entry [{key!r}]"
+    return f"attribute {key!r} of {_a(of)}" if of else f"dict entry [{key!r}]"
+
+
+def _a(name: str) -> str:
+    """`name` with its article, for messages: "a Trainer", "an Obj", "a _Stack"."""
+    return f"{'an' if name.lstrip('_')[:1].lower() in 'aeiou' and name[:1] else 'a'} {name}"
 
 
 def _same(target: Node, alias: Any, v: Any) -> bool:
