@@ -767,6 +767,23 @@ def test_a_global_or_module_attribute_read_by_a_name_in_a_string(route, monkeypa
     np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
 
 
+@pytest.mark.usefixtures("few_user_modules")
+def test_another_modules_global_read_through_its_functions_globals(monkeypatch):
+    """`helper.__globals__["s"]` with `helper` from another module reads that module's
+    global: it was not checked (a documented gap; it returned 2 after it became 5)."""
+    other = types.ModuleType("tg_test_other_globals")
+    exec("s = 2.0\ndef helper(v):\n    return v", vars(other))
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    helper = other.helper
+    f, traces = traced(lambda v: jnp.sum(v) * helper.__globals__["s"])
+    np.testing.assert_allclose(check(f), [2.0, 2.0, 2.0])
+    n = len(traces)
+    np.testing.assert_allclose(tg.gradient(f, w)[0], [2.0, 2.0, 2.0])
+    assert len(traces) == n  # nothing changed: not traced again
+    other.s = 5.0
+    np.testing.assert_allclose(check(f), [5.0, 5.0, 5.0])
+
+
 class _ByNameBase:
     s = 2.0
 

@@ -138,6 +138,9 @@ class Walk:
         self.numpy_seen = False  # a module of numpy reached: `np.random.rand` may be read
         self.labels: dict[int, str] = {}  # readable paths of absolute roots (`_held`)
         self.sys_modules: list[Modules] = []  # nodes of `sys.modules` (`_modules_grown`)
+        # The user modules whose globals the walked functions use: the code may read one
+        # by name through a function (`helper.__globals__["s"]`, `_globals_read`).
+        self.fn_modules: dict[int, types.ModuleType] = {}
 
     def root(self, value: Any) -> Node:
         """The function being compiled: walked even when a library defined it (a closure
@@ -233,6 +236,7 @@ class Walk:
                     changed = True
             changed = self._walk_pending() or changed
             changed = self._modules_grown() or changed
+            changed = self._globals_read() or changed
         for p in self.pending:
             p.node.skipped = [k for k in p.dict or () if k not in p.done]
         for key, k in self.keyed.items():
@@ -520,6 +524,10 @@ class Walk:
         self.dynamic = self.dynamic or info.dynamic
         self.in_place = self.in_place or info.in_place
         node = self._memo(fn, Func(fn.__code__, id(fn.__globals__)))
+        modname = fn.__module__
+        module = sys.modules.get(modname) if isinstance(modname, str) else None
+        if module is not None and vars(module) is fn.__globals__:
+            self.fn_modules.setdefault(id(module), module)
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
                 value = cell.cell_contents
@@ -649,6 +657,20 @@ class Walk:
             if isinstance(name, str) and not is_library_module(name):
                 node.items.append((name, self.node(module, f"sys.modules[{name!r}]")))
         return node
+
+    def _globals_read(self) -> bool:
+        """Code that reads a function's `__globals__` (`helper.__globals__["s"]`, with
+        `helper` from another module) reads that module's globals by name: each user
+        module of a function met is checked as a module read by name is (`_reads`).
+        Whether one was added."""
+        if "__globals__" not in self.attr_names:
+            return False
+        added = False
+        for key, module in list(self.fn_modules.items()):
+            if key not in self.absolute and not is_library_module(module.__name__):
+                self._absolute(module)
+                added = True
+        return added
 
     def _modules_grown(self) -> bool:
         """Modules imported while walking (a library's attribute loaded lazily, on first
