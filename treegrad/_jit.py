@@ -14,21 +14,32 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import _cache as C
 from . import _engine as E
 from . import _guard as G
 from . import _programs as P
 from ._shard import by_prefix
-from ._tree import value_key
+from ._tree import describe_leaf, value_key
 from ._walk import is_plain_object
 
-_FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial, G._JITTED_TYPE)
+# A class or module passed as an argument (`cls` of a compiled classmethod) is guarded
+# like a function: keyed by identity alone, a class attribute it reads could go stale.
+_FUNCTION_TYPES = (
+    types.FunctionType,
+    types.MethodType,
+    functools.partial,
+    G._JITTED_TYPE,
+    type,
+    types.ModuleType,
+)
 
 
 def _int_tuple(value: Any, name: str) -> tuple[int, ...]:
@@ -75,6 +86,15 @@ class Jitted:
         in_shardings: Any = UNSET,
         out_shardings: Any = UNSET,
     ):
+        # `@tg.jit` above `@staticmethod`: compile the function, and bind no instance.
+        self._unbound = isinstance(fn, staticmethod)
+        if isinstance(fn, (staticmethod, classmethod)):
+            if isinstance(fn, classmethod):
+                raise TypeError(
+                    "tg.jit of a classmethod: put @classmethod above @tg.jit, so that the "
+                    "class is bound first and passed to the compiled function."
+                )
+            fn = fn.__func__
         if not callable(fn):
             raise TypeError(f"tg.jit expects a function, got {type(fn).__name__} {fn!r:.60}.")
         self.__wrapped__ = fn
@@ -96,7 +116,11 @@ class Jitted:
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
         self._plain = not (self._static or self._static_names)
-        self._options = ((), self._out_shardings is not UNSET)
+        # The options key the cache with the function: two `tg.jit`s of one function
+        # with other donation or shardings must not share a compiled program (one made
+        # with `donate_argnums` would delete the arrays of the other's callers).
+        self._key = _options_key(self._donate, self._donate_names, in_shardings, out_shardings)
+        self._options = ((), self._key)
         functools.update_wrapper(self, fn)
 
     def _entry(self, call: E.Call) -> E.Entry:
@@ -131,34 +155,51 @@ class Jitted:
                     (args, {}),
                     make=self._entry,
                 )
-            except ValueError:
+            except ValueError as e:
                 _check_deleted(args, kwargs)
+                _check_out_none(e, self._out_shardings)
                 raise
             return packed.value()
         fn = self.__wrapped__
+        # A negative position (a function of *args) counts from the end of this call's.
+        static_at = _at(self._static, len(args))
         static: list[Any] = []
         roots: list[Any] = [fn]
         pos: list[Any] = []
+        keys: list[Any] = []
+        # A function or plain object is guarded like the compiled function even when
+        # named static: keyed by its hash alone, a value it reads (a number in a dict,
+        # a global) could change under an old trace. Other static values are keyed by
+        # value, a Module by its static data too (by identity, an attribute edited in
+        # place would reuse a trace made with the old one).
         for i, a in enumerate(args):
-            if i in self._static:
-                pos.append(P.RootArg(-1 - len(static)))
-                static.append((i, _hashed(a, f"argument {i}")))
-            elif _is_function(a):
+            if _is_function(a):
+                if i in static_at:
+                    _hashed(a, f"argument {i}")
                 pos.append(P.RootArg(len(roots) - 1))
                 roots.append(a)
+            elif i in static_at:
+                pos.append(P.RootArg(-1 - len(static)))
+                key, a = _static_key(_hashed(a, f"argument {i}"))
+                static.append((i, a))
+                keys.append((i, key))
             else:
                 pos.append(a)
         kw: dict[str, Any] = {}
         for k, a in kwargs.items():
-            if k in self._static_names:
-                kw[k] = P.RootArg(-1 - len(static))
-                static.append((k, _hashed(a, f"argument {k!r}")))
-            elif _is_function(a):
+            if _is_function(a):
+                if k in self._static_names:
+                    _hashed(a, f"argument {k!r}")
                 kw[k] = P.RootArg(len(roots) - 1)
                 roots.append(a)
+            elif k in self._static_names:
+                kw[k] = P.RootArg(-1 - len(static))
+                key, a = _static_key(_hashed(a, f"argument {k!r}"))
+                static.append((k, a))
+                keys.append((k, key))
             else:
                 kw[k] = a
-        options = (value_key(tuple(static)), self._out_shardings is not UNSET)
+        options = (tuple(keys), self._key)
 
         def make(call: E.Call) -> E.Entry:
             return self._new_entry(call, options, static)
@@ -167,8 +208,9 @@ class Jitted:
             _, (_, packed, _) = C.execute(
                 P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
             )
-        except ValueError:
+        except ValueError as e:
             _check_deleted(args, kwargs)
+            _check_out_none(e, self._out_shardings)
             raise
         return packed.value()
 
@@ -188,18 +230,20 @@ class Jitted:
         # argument: a tied weight is one buffer (jax refuses to donate one
         # buffer twice), and the closure's arrays are never donated.
         owners = self._owners(entry)
+        donate = _at(self._donate, len(entry.a_def.children()[0].children()))
         donated: dict[int, bool] = {}
         slots = entry.a_slots or range(entry.n_args)
         links = entry.a_links
         for u, who in zip(slots, owners, strict=True):
-            ok = (isinstance(who, int) and who in self._donate) or who in self._donate_names
+            ok = (isinstance(who, int) and who in donate) or who in self._donate_names
             # An argument that is also a captured array is read from the closure too.
             donated[u] = donated.get(u, True) and ok and (links is None or links[u] < 0)
         return tuple(entry.n_cl + u for u, ok in donated.items() if ok)
 
     def _shardings(self, entry: E.Entry) -> tuple[Any, ...]:
         pos_def, _ = entry.a_def.children()
-        per_leaf = _prefix_leaves(self._in_shardings, entry, pos_def)
+        static = _at(self._static, len(pos_def.children()))
+        per_leaf = _prefix_leaves(self._in_shardings, entry, pos_def, tuple(static))
         out: list[Any] = [None] * (entry.n_cl + entry.n_args)
         slots = entry.a_slots or range(entry.n_args)
         for u, s in zip(slots, per_leaf, strict=False):
@@ -209,10 +253,32 @@ class Jitted:
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         # Decorating a method: bind the instance as the first (traced) argument.
-        return self if obj is None else functools.partial(self, obj)
+        return self if obj is None or self._unbound else functools.partial(self, obj)
 
     def __repr__(self) -> str:
         return f"<tg.jit of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+
+
+_OWN_KEYS = itertools.count()
+
+
+def _options_key(donate: Any, donate_names: Any, in_shardings: Any, out_shardings: Any) -> Any:
+    """What of a `tg.jit`'s options keys its compiled programs (False: none given)."""
+    if not (donate or donate_names) and in_shardings is UNSET and out_shardings is UNSET:
+        return False
+    parts: list[Any] = [donate, donate_names]
+    for s in (in_shardings, out_shardings):
+        # A pytree prefix of shardings, by structure (a Module's static data too) and
+        # leaves; None is a place given no sharding, so it is part of the structure.
+        leaves, treedef = jax.tree_util.tree_flatten(s)
+        parts += [treedef, tuple(leaves)]
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        # Unhashable static data in a prefix: this tg.jit's own programs only.
+        return ("own", next(_OWN_KEYS))
+    return key
 
 
 # The argument types seen that are not functions: checked for all arguments in C.
@@ -255,6 +321,19 @@ def _check_deleted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 ) from None
 
 
+def _check_out_none(error: ValueError, out_shardings: Any) -> None:
+    """After jax refused a None in `out_shardings` where the output holds arrays: say so.
+    (jax.jit reads such a None as 'let XLA choose'; the compiled call constrains the
+    output with `with_sharding_constraint`, which needs a sharding for each array.)"""
+    if out_shardings is not UNSET and "got sharding None" in str(error):
+        raise ValueError(
+            "tg.jit: out_shardings holds None where the output holds arrays; tg.jit cannot "
+            "leave part of the output to XLA's choice as jax.jit does. Give a sharding for "
+            "every part holding arrays (NamedSharding(mesh, P()) to replicate it), or "
+            "out_shardings=None for none."
+        ) from None
+
+
 def _resolve(
     fn: Any, sig: inspect.Signature | None, nums: tuple[int, ...], names: tuple[str, ...], what: str
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -276,7 +355,10 @@ def _resolve(
     name = getattr(fn, "__qualname__", repr(fn))
     out: list[int] = []
     for i in nums:
-        j = i + len(positional) if i < 0 and not var_pos else i
+        if i < 0 and var_pos:
+            out.append(i)  # from the end of each call's arguments, as jax.jit counts it
+            continue
+        j = i + len(positional) if i < 0 else i
         if j < 0 or (j >= len(positional) and not var_pos):
             raise ValueError(
                 f"tg.jit: {what}_argnums={i} names no argument: {name}{sig} takes "
@@ -290,8 +372,15 @@ def _resolve(
                 f"its arguments by name are {by_name}."
             )
     out += [positional.index(n) for n in names if n in positional]
-    more = [positional[j] for j in out if j < len(positional) and positional[j] in by_name]
+    more = [positional[j] for j in out if 0 <= j < len(positional) and positional[j] in by_name]
     return tuple(dict.fromkeys(out)), tuple(dict.fromkeys((*names, *more)))
+
+
+def _at(nums: tuple[int, ...], n: int) -> Any:
+    """Argument positions for a call with `n` positional arguments (negative: from the end)."""
+    if all(i >= 0 for i in nums):
+        return nums
+    return {i if i >= 0 else i + n for i in nums}
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
@@ -309,25 +398,66 @@ def _hashed(value: Any, what: str) -> Any:
     try:
         hash(value)
     except TypeError:
+        if isinstance(value, (jax.Array, np.ndarray)):
+            fix = (
+                f"an array ({describe_leaf(value)}) is traced, not static: leave it out of "
+                "static_argnums and static_argnames (or pass a tuple of Python numbers)."
+            )
+        else:
+            fix = "pass a tuple instead of a list, or make it a traced argument."
         raise TypeError(
             f"tg.jit: static {what} must be hashable (it keys the compiled function), got a "
-            f"{type(value).__name__}. Pass a tuple instead of a list, or make it a traced "
-            "argument."
+            f"{type(value).__name__}; {fix}"
         ) from None
     return value
 
 
-def _prefix_leaves(prefix: Any, entry: E.Entry, pos_def: Any) -> list[Any]:
+def _static_key(value: Any) -> tuple[Any, Any]:
+    """A static argument's cache key, and the value the function is traced with.
+
+    A pytree (a Module) is keyed by its structure, static data included, and its
+    leaves, and traced with a copy rebuilt from them: a later trace of the same
+    program (new shapes) must see the value it was keyed by, even if the caller's
+    object was edited since. Anything else is keyed as `value_key` and passed as is.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    if jax.tree_util.treedef_is_leaf(treedef) and leaves:  # not a pytree node
+        return value_key(value), value
+    key = ("tree", treedef, tuple(map(value_key, leaves)))
+    try:
+        hash(key)
+    except TypeError:  # an array among the leaves: the value itself
+        return value_key(value), value
+    return key, jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _prefix_leaves(
+    prefix: Any, entry: E.Entry, pos_def: Any, static_nums: tuple[int, ...]
+) -> list[Any]:
     """One sharding per array leaf of the positional arguments, from a pytree prefix."""
     # The arguments' structure with each leaf replaced by whether it is an array.
     is_array = entry.is_array_leaf()[: pos_def.num_leaves]
     args = jax.tree_util.tree_unflatten(pos_def, is_array)
     if not isinstance(prefix, (tuple, list)):
         prefix = (prefix,) * len(args)
+    static = [i for i in static_nums if i < len(args)]
+    if len(prefix) == len(args) - len(static) != len(args):
+        # As for jax.jit: one entry per positional argument that is not static.
+        given = iter(prefix)
+        prefix = [None if i in static else next(given) for i in range(len(args))]
     if len(prefix) != len(args):
+        n_kw = len(entry.a_def.children()[1].children())
         raise ValueError(
             f"tg.jit: in_shardings has {len(prefix)} entries for {len(args)} positional "
-            "arguments; give one (a sharding or a pytree prefix of shardings) per argument."
+            "arguments"
+            + (f" ({len(static)} of them static)" if static else "")
+            + (
+                f", and {n_kw} passed by keyword (which in_shardings does not cover)"
+                if n_kw
+                else ""
+            )
+            + "; give one (a sharding or a pytree prefix of shardings) per positional "
+            "argument that is not static, as for jax.jit."
         )
     leaves: list[Any] = []
     for p, flags in zip(prefix, args, strict=True):
@@ -365,8 +495,9 @@ def jit(
 
     Arguments:
         fn: the function to compile.
-        static_argnums: positions of arguments treated as static (hashed into
-            the cache key), as in `jax.jit`.
+        static_argnums: positions of arguments treated as static (keys of the
+            compiled function), as in `jax.jit`; a Module is keyed by what it
+            holds, and a function, class or module is read fresh at each call.
         static_argnames: names of keyword arguments treated as static.
         donate_argnums: positions of arguments whose buffers XLA may reuse for
             the outputs (the old model and optimiser state of a training
@@ -374,8 +505,9 @@ def jit(
             read again. Tied weights are de-duplicated first, and a buffer also
             read from another argument or the closure is not donated.
         donate_argnames: names of keyword arguments to donate.
-        in_shardings: shardings of the positional arguments, one pytree prefix
-            per argument (or one for all), as in `jax.jit`.
+        in_shardings: shardings of the positional arguments that are not
+            static, one pytree prefix per argument (or one for all), as in
+            `jax.jit`.
         out_shardings: shardings of the output, as a pytree prefix of it.
 
     Returns:

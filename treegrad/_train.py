@@ -24,7 +24,7 @@ from ._gradient import withgradient
 from ._grads import Grads
 from ._jit import jit
 from ._optim import OptState, update, update_
-from ._params import Params, trainable_leaves_with_path
+from ._params import NoGradientError, Params, trainable_leaves_with_path
 from ._paths import rebind
 from ._shard import DATA, shard_batch
 from ._tree import describe_leaf, path_str
@@ -69,6 +69,9 @@ class NonFiniteLossError(FloatingPointError):
 class StepInfo(NamedTuple):
     """What a `tg.train` callback receives after each step.
 
+    `model` and `state` are those after the step; with a `tg.Params`, `model` is
+    the model the Params read (as `tg.train` returns it), updated in place.
+
     Examples:
         >>> import jax.numpy as jnp, optax, treegrad as tg
         >>> model = {"w": jnp.ones(())}
@@ -91,6 +94,9 @@ class StepInfo(NamedTuple):
 def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ...]) -> Any:
     value, (g,) = withgradient(lambda m: loss(m, *batch), model)
     _check_scalar(value)
+    if not any(map(_is_inexact_array, _trainable(g))):
+        # Every gradient None: nothing would be trained, silently (read by `train`).
+        raise NoGradientError("tg.train: no gradient")
     new_state, new_model = update(state, model, g)
     # The new model too: an update can overflow finite gradients (a learning rate
     # too large), and that model must not be kept as the last good one. Only what
@@ -108,6 +114,10 @@ def _check_scalar(value: Any) -> None:
             "values?); tg.train needs a real scalar loss. Return the loss alone, or write "
             "the loop with tg.withgradient, which returns the whole tuple."
         )
+
+
+def _is_inexact_array(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _finite(tree: Any) -> Any:
@@ -146,7 +156,8 @@ def _implicit_step(loss: Callable[..., Any], ps: Params, state: Any) -> Callable
     """
 
     def step(batch: tuple[Any, ...]) -> Any:
-        value, grads = withgradient(lambda: loss(*batch), ps)
+        # strict: a step where no gradient flows is an error `train` explains.
+        value, grads = withgradient(lambda: loss(*batch), ps, strict=True)
         _check_scalar(value)
         before = list(ps)
         update_(state, ps, grads)
@@ -340,6 +351,9 @@ def train(
         NonFiniteLossError: the loss or a gradient became NaN or infinite; the
             error names the epoch, step (and gradient path), and carries the
             last good `state` and `model`.
+        NoGradientError: at some step the loss depends on none of the
+            trainable parameters (an explicit loss ignoring its model argument, a
+            Params of arrays the loss reads as globals): nothing would be trained.
         TypeError: `loss`, `data`, `state`, `epochs`, `callbacks` or `mesh` is
             not what is described here; the message names the argument and
             the fix.
@@ -393,7 +407,10 @@ def train(
                 if step_fn is not None and ps is not None:
                     v, ok = _implicit_train_step(step_fn, ps, state, args, epoch, step, losses)
                 else:
-                    new_state, new_model, value, grads_ok = _step(loss, state, model, args)
+                    try:
+                        new_state, new_model, value, grads_ok = _step(loss, state, model, args)
+                    except NoGradientError:
+                        raise _no_gradient(epoch, step, model, implicit=False) from None
                     v, ok = jax.device_get((value, grads_ok))
                     v = float(v)
                     if not (math.isfinite(v) and ok):
@@ -404,7 +421,8 @@ def train(
                 if bar.n % 10 == 0:
                     bar.set_postfix(loss=f"{v:.4g}")
                 for cb in callbacks:
-                    cb(StepInfo(epoch, step, v, model, state))
+                    # The model as `train` returns it: with a Params, the model it reads.
+                    cb(StepInfo(epoch, step, v, model if ps is None else ps.source, state))
             if step < 0:
                 raise ValueError(
                     f"tg.train: epoch {epoch} of data gave no batches"
@@ -430,7 +448,10 @@ def _implicit_train_step(
     # The step rebinds the model's arrays and the state in place; the previous
     # arrays are kept (no copy: arrays are immutable) to put back after a bad step.
     before = (ps.arrays(), jax.tree_util.tree_leaves(state))
-    value, flags = step_fn(batch)
+    try:
+        value, flags = step_fn(batch)
+    except NoGradientError:
+        raise _no_gradient(epoch, step, ps, implicit=True) from None
     v, (grads_ok, params_ok) = jax.device_get((value, flags))
     v = float(v)
     ok = bool(grads_ok and params_ok)
@@ -454,6 +475,34 @@ def _implicit_train_step(
             step=step,
         )
     return v, True
+
+
+def _no_gradient(epoch: int, step: int, model: Any, implicit: bool) -> NoGradientError:
+    """A step where the loss depends on none of the trainable parameters: every gradient
+    is None, so the step would change nothing and the losses would stay as they are."""
+    n = len(model) if implicit else sum(map(_is_inexact_array, _trainable(model)))
+    where = f"tg.train: at epoch {epoch}, step {step}, "
+    if n == 0:
+        return NoGradientError(
+            where + "the model has no trainable floating-point arrays: nothing to train."
+        )
+    if implicit:
+        return NoGradientError(
+            where + f"the loss depends on none of the {n} parameters of the tg.Params (every "
+            "gradient is None), so nothing would be trained. The loss reads other arrays "
+            "than the ones the Params hold now: after an update they hold new arrays, and a "
+            "loss reading arrays captured on their own (tg.Params([W, b]) with W and b "
+            "globals) never sees them. Keep the parameters in a model, dict or list the loss "
+            "reads them from (params = {'W': W, 'b': b}; ps = tg.params(params)), and build "
+            "the Params from it. The model and state are as before this step."
+        )
+    return NoGradientError(
+        where + f"the loss does not depend on the model it is given (every gradient of its "
+        f"{n} trainable arrays is None), so nothing would be trained. tg.train calls "
+        "loss(model, *batch): compute with that first argument, not with a model the loss "
+        "captures (lambda m, x, y: mse(m(x), y), not mse(model(x), y)); or, for a loss "
+        "reading a captured model, pass tg.params(model) and loss(*batch)."
+    )
 
 
 def _batch_placement(model: Any, mesh: Any, spec: Any) -> Callable[..., Any]:
