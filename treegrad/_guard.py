@@ -404,7 +404,8 @@ def same_array(v: np.ndarray, old: np.ndarray) -> bool:
 
 
 class Unchecked(Node):
-    """A value the function itself changes while it is traced (a counter): not an input."""
+    """A value the function itself changes while it is traced, no longer an input: a
+    log it appends to (or a counter, in a trace that is not reused: `Settle._changed`)."""
 
     __slots__ = ()
 

@@ -2,9 +2,10 @@
 
 `Swap` (`_swap.py`) put the tracers into the places the function reads; once it
 has run, `Settle` compares each place with what was put there: arrays the
-function rebound become outputs to write back, values it changed itself
-(counters, logs) stop being checked by the guard, and values computed from its
-traced arrays that it stored in the user's objects are taken out. `Scrub` does
+function rebound become outputs to write back, a value it can read that it
+changed itself (a counter) makes the trace one not to reuse, a log it appends
+to is its output, no longer checked, and values computed from its traced
+arrays that it stored in the user's objects are taken out. `Scrub` does
 the same after the function raised.
 """
 
@@ -54,9 +55,10 @@ class Settle:
     """Compare the places after a trace with what was put there.
 
     Array places now holding another array were rebound by the function (an
-    in-place update): they go into `written`. Numbers and containers the
-    function changed itself (counters, logs) are demoted to `Unchecked`: they
-    are its outputs, not its inputs. `node(n, v)` returns the node to guard from now on.
+    in-place update): they go into `written`. A number, helper or entry the
+    function changed itself (a counter) makes the trace not reusable (`_changed`);
+    a list or set it appended to (a log) is demoted to `Unchecked`, its output.
+    `node(n, v)` returns the node to guard from now on.
     """
 
     def __init__(self, put: list[Any], written: dict[int, Any]):
