@@ -29,6 +29,7 @@ from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
 from ._programs import CALL
+from ._settle import CHANGES, changes_made
 from ._tree import describe_leaf, user_stacklevel
 from ._walk import _SLOT_NAMES, describe
 
@@ -172,6 +173,21 @@ def _new(
     numpy code that changes one in place (`order[0] = 1.0`, `np.random.shuffle(order)`,
     `np.add(buf, 1, out=buf)`) or needs its value (`float(scale[0])`) fails on the jax
     tracer that stands in for it, and runs on the array itself, as uncompiled."""
+    # The Python values the function changes (a counter) are changed once a call, by
+    # its last run, however many runs tracing takes (`_settle.CHANGES`).
+    frame: list[Callable[[], Any]] = []
+    CHANGES.append(frame)
+    try:
+        entry, out = _new_run(make, call, params)
+    finally:
+        CHANGES.pop()
+    changes_made(frame)
+    return entry, out
+
+
+def _new_run(
+    make: Callable[[Call], Entry], call: Call, params: Sequence[Any] | None
+) -> tuple[Entry, Any]:
     entry = make(call)
     draws = Draws(entry.consumed) if entry.numpy_places else None
     try:

@@ -22,7 +22,7 @@ from ._jaxpr import forget_bodies, is_tracer
 from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
 from ._params import Params
-from ._settle import Scrub, Settle
+from ._settle import CHANGES, Scrub, Settle
 from ._swap import Swap, Unsettled
 
 if TYPE_CHECKING:
@@ -194,6 +194,7 @@ def _user(
             entry.drew += [(t, False) for t in settle.took if (t, False) not in entry.drew]
             entry.wrote = entry.wrote or settle.wrote
             entry.changed += [w for w in settle.changed if w not in entry.changed]
+            settle.undo_changes()
             entry.demoted = entry.demoted or settle.demoted
             return out, written
         finally:
@@ -217,6 +218,11 @@ def _scrub(entry: Entry, per_place: list[Any]) -> None:
             settle.node(node, root)
         for node in entry.absolute:
             settle.node(node, None)
+        if CHANGES:
+            # A run that failed inside a call: its Python changes undone, as a run that
+            # returns has them (`Settle.undo_changes`), for the call's retry to start over.
+            for undo, _ in reversed(settle.changes):
+                undo()
     finally:
         entry.rebound += settle.rebound  # user arrays stored in place of tracers: see detrace
         for node, fields in saved:

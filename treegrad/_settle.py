@@ -50,6 +50,19 @@ from ._jaxpr import is_tracer
 from ._paths import IN_PLACE
 from ._swap import Unsettled, _holds_tracer, _key_paths, _leaves
 
+# The Python values a call's runs of the function changed (a counter it advances): each
+# run is undone after it (`Settle.undo_changes`), so that every run of the call starts
+# from the values the call found (the Hessian's several runs, a trace made again for
+# unused inputs, a numpy retry), and the last run's are made once when the call ends
+# (`changes_made`). One frame per call in progress (`_cache._new`), innermost last.
+CHANGES: list[list[Callable[[], Any]]] = []
+
+
+def changes_made(frame: list[Callable[[], Any]]) -> None:
+    """Make the Python changes of a call's last run, once (the call succeeded)."""
+    for redo in frame:
+        redo()
+
 
 class Settle:
     """Compare the places after a trace with what was put there.
@@ -86,6 +99,23 @@ class Settle:
         # call reads the new value, so this trace is not reused (`_changed`).
         self.changed: list[str] = []
         self._at: str | None = None  # the place `node` is looking at, when `_entry` knows it
+        # For each value the function changed at a place it can read: how to put the old
+        # value back, and how to make the change again (`undo_changes`).
+        self.changes: list[tuple[Callable[[], Any], Callable[[], Any]]] = []
+
+    def undo_changes(self) -> None:
+        """Put back the Python values this run changed, and leave the changes to make
+        once the call ends (`CHANGES`): the call's next run (if any) starts from the
+        values the call found, as the function uncompiled runs once. Outside a call in
+        progress (a cached program run again by jax), the changes stay as made."""
+        if not CHANGES or not self.changes:
+            return
+        for undo, _ in reversed(self.changes):
+            undo()
+        CHANGES[-1][:] = [redo for _, redo in self.changes]
+
+    def _change_at(self, put: Callable[[Any, Any], Any], key: Any, old: Any, new: Any) -> None:
+        self.changes.append((functools.partial(put, key, old), functools.partial(put, key, new)))
 
     def _our_ids(self) -> set[int]:
         """Ids of the values put in the places for the trace (made once, when needed)."""
@@ -166,6 +196,14 @@ class Settle:
             else:
                 self.demoted = True
                 self._changed(_where(key, of))  # an entry it deleted
+                old = _old_value(child, MISSING)
+                if old is not MISSING:
+                    self.changes.append(
+                        (
+                            functools.partial(d.__setitem__, key, old),
+                            functools.partial(d.pop, key, None),
+                        )
+                    )
         known = {key for key, _ in items}.union(skipped)
         for key in [k for k in d if k not in known]:
             if self._kept(d[key], d.__setitem__, key):
@@ -174,6 +212,13 @@ class Settle:
             added = self._added(d[key], functools.partial(d.pop, key, None), _where(key, of))
             if key in d:  # else removed again: a traced value (`_added`)
                 out.append((key, added))
+                new = d[key]
+                self.changes.append(
+                    (
+                        functools.partial(d.pop, key, None),
+                        functools.partial(d.__setitem__, key, new),
+                    )
+                )
         return out
 
     def _entry(
@@ -191,6 +236,9 @@ class Settle:
             return node
         if has_places(node) and _holds_tracer(value):
             self.rebound.append([put, key, value])
+        old = _old_value(node, value)
+        if old is not MISSING:
+            self._change_at(put, key, old, value)
         at, self._at = self._at, where
         try:
             return self.node(node, value)
@@ -321,6 +369,10 @@ class Settle:
                 return self._demote(node, v, log=type(v) is node.type and len(v) > n)
             at, self._at = self._at, self._at and f"an item of {self._at}"
             try:
+                for i, (c, x) in enumerate(zip(node.items, v, strict=True)):
+                    old = _old_value(c, x)
+                    if old is not MISSING and type(v) is list:
+                        self._change_at(v.__setitem__, i, old, x)
                 node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
             finally:
                 self._at = at
@@ -548,6 +600,20 @@ def holders(nodes: list[Node], places: set[int]) -> set[int]:
     for node in nodes:
         visit(node)
     return out
+
+
+def _old_value(node: Node, now: Any) -> Any:
+    """The value a number's or library object's place held when the trace began, if the
+    function changed it (`now` is what it holds now); else MISSING."""
+    if isinstance(node, Const):
+        old = node.value
+        if old is MISSING or now is old or (type(now) is type(old) and _equal(now, old)):
+            return MISSING
+        return old
+    if isinstance(node, Same):
+        old = node.get()
+        return MISSING if now is old or (node.weak and old is None) else old
+    return MISSING
 
 
 def _put_cell(cell: Any, _key: Any, value: Any) -> None:
