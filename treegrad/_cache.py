@@ -175,7 +175,7 @@ def _new(
     tracer that stands in for it, and runs on the array itself, as uncompiled."""
     # The Python values the function changes (a counter) are changed once a call, by
     # its last run, however many runs tracing takes (`_settle.CHANGES`).
-    frame: list[Callable[[], Any]] = []
+    frame: list[Any] = []  # (undo, redo) pairs
     CHANGES.append(frame)
     try:
         entry, out = _new_run(make, call, params)

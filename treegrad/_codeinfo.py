@@ -73,6 +73,14 @@ class _CodeInfo:
                     in_place = True
                 if op.argval in _IMPORTS and name in _LOADS:
                     imports = True
+                if name == "IMPORT_NAME" and isinstance(op.argval, str):
+                    # `import cfg` / `from cfg import s` in the function: `cfg` is read.
+                    imports = True
+                    modules.add(op.argval)
+                    reads.update(op.argval.split("."))
+                elif name == "IMPORT_FROM":
+                    attrs.add(op.argval)
+                    reads.add(op.argval)
                 if name in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
                     names[op.argval] = None
                     by_global_name = by_global_name or op.argval in _READS_GLOBALS_BY_NAME

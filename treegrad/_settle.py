@@ -55,12 +55,12 @@ from ._swap import Unsettled, _holds_tracer, _key_paths, _leaves
 # from the values the call found (the Hessian's several runs, a trace made again for
 # unused inputs, a numpy retry), and the last run's are made once when the call ends
 # (`changes_made`). One frame per call in progress (`_cache._new`), innermost last.
-CHANGES: list[list[Callable[[], Any]]] = []
+CHANGES: list[list[Any]] = []  # (undo, redo) pairs
 
 
-def changes_made(frame: list[Callable[[], Any]]) -> None:
+def changes_made(frame: list[Any]) -> None:
     """Make the Python changes of a call's last run, once (the call succeeded)."""
-    for redo in frame:
+    for _, redo in frame:
         redo()
 
 
@@ -108,14 +108,31 @@ class Settle:
         once the call ends (`CHANGES`): the call's next run (if any) starts from the
         values the call found, as the function uncompiled runs once. Outside a call in
         progress (a cached program run again by jax), the changes stay as made."""
-        if not CHANGES or not self.changes:
+        if not CHANGES:
             return
-        for undo, _ in reversed(self.changes):
+        # A run after the first finds the places it changed already demoted, and records
+        # nothing: it made the same changes from the same values (the second argument's
+        # Hessian), so the first run's are undone again.
+        changes = self.changes or CHANGES[-1]
+        for undo, _ in reversed(changes):
             undo()
-        CHANGES[-1][:] = [redo for _, redo in self.changes]
+        CHANGES[-1][:] = changes
 
     def _change_at(self, put: Callable[[Any, Any], Any], key: Any, old: Any, new: Any) -> None:
         self.changes.append((functools.partial(put, key, old), functools.partial(put, key, new)))
+
+    def _items(self, node: Seq, v: Any) -> None:
+        """Settle a list's or tuple's first items (those it had when the trace began)."""
+        at, self._at = self._at, self._at and f"an item of {self._at}"
+        try:
+            items = list(zip(node.items, v, strict=False))
+            for i, (c, x) in enumerate(items):
+                old = _old_value(c, x)
+                if old is not MISSING and type(v) is list:
+                    self._change_at(v.__setitem__, i, old, x)
+            node.items = [self.node(c, x) for c, x in items]
+        finally:
+            self._at = at
 
     def _our_ids(self) -> set[int]:
         """Ids of the values put in the places for the trace (made once, when needed)."""
@@ -253,8 +270,9 @@ class Settle:
             raise Unsettled
         self.demoted = True
         # A default filled in on first use (`setdefault`, a lazy attribute, a
-        # cached_property): the next call reads it, so it is checked from then on.
-        self.cacheable = False
+        # cached_property): the next call reads it, so it is checked from then on. One
+        # added on every call (a new key each call) is said, as a counter is.
+        self._changed(f"{where} (added)")
         return Unchecked()
 
     def _dropped(self, value: Any, remove: Callable[[], Any], where: str) -> bool:
@@ -331,8 +349,8 @@ class Settle:
                 return node
             if type(v) is node.type and len(v) < node.size():
                 self._took(v)
-            # A set or deque it adds to (a log): its output, not reused as an input.
-            return self._demote(node, v, log=type(v) is node.type and len(v) > node.size())
+            # A set or deque it adds to (a log), its old items kept: its output.
+            return self._demote(node, v, log=_grew(node, v))
         if isinstance(node, Same):
             return node if v is node.get() else self._demote(node, v)
         if isinstance(node, Unchecked):
@@ -365,17 +383,15 @@ class Settle:
             if isinstance(v, list) and len(v) < n:
                 self._took(v)
             if type(v) is not node.type or len(v) != len(node.items):
-                # A list it appends to (a log, `traces.append(1)`): its output.
-                return self._demote(node, v, log=type(v) is node.type and len(v) > n)
-            at, self._at = self._at, self._at and f"an item of {self._at}"
-            try:
-                for i, (c, x) in enumerate(zip(node.items, v, strict=True)):
-                    old = _old_value(c, x)
-                    if old is not MISSING and type(v) is list:
-                        self._change_at(v.__setitem__, i, old, x)
-                node.items = [self.node(c, x) for c, x in zip(node.items, v, strict=True)]
-            finally:
-                self._at = at
+                # A list it appends to (a log, `traces.append(1)`), its old items
+                # unchanged: its output. (A tuple rebound longer is a new value.)
+                log = node.type is list and type(v) is list and len(v) > n
+                if log:
+                    before = len(self.changed), self.cacheable
+                    self._items(node, v)
+                    log = len(self.changed) == before[0] and self.cacheable == before[1]
+                return self._demote(node, v, log=log)
+            self._items(node, v)
             return self._container(node, [c for c in node.items])
         if isinstance(node, Map):
             if type(v) is not node.type:
@@ -559,6 +575,24 @@ class Scrub(Settle):
             return node
 
 
+def _grew(node: Any, v: Any) -> bool:
+    """Whether a mutable container the walk compares whole (a set, a deque, a Mapping
+    that is not a dict: a cache filled) only had items added while traced, its old
+    items kept: a log. A frozenset rebound larger is a new value, not a log."""
+    if type(v) is not node.type or len(v) <= node.size() or node.type is frozenset:
+        return False
+    if node.held is not None:
+        return True  # items held by identity (a queue of batches), appended to
+    try:
+        if node.as_dict:
+            return set(node.value) <= set(dict(v))
+        if isinstance(v, set):
+            return set(node.value) <= v
+        return list(v)[: len(node.value)] == list(node.value)
+    except TypeError:
+        return False
+
+
 def _where(key: Any, of: str) -> str:
     """A place in a dict (`of` empty) or in an object's `__dict__`, for messages."""
     return f"attribute {key!r} of {_a(of)}" if of else f"dict entry [{key!r}]"
@@ -577,8 +611,9 @@ def _same(target: Node, alias: Any, v: Any) -> bool:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and a != a:
-        return b != b
+    if isinstance(a, (float, complex, np.floating, np.complexfloating)) and a != a:
+        # NaN (a Python, complex or numpy one): the same NaN when written again.
+        return bool(b != b) and repr(a) == repr(b)
     return bool(a == b)
 
 

@@ -410,6 +410,13 @@ class Walk:
                 jitted = self._memo(value, Jitted(Unchecked(), t))
                 jitted.inner = self._function(inner, path)
                 return jitted
+            if isinstance(inner, (functools.partial, types.MethodType)):
+                # `jax.jit(functools.partial(f, k=1))`, `jax.jit(layer.__call__)`: inlined
+                # as a function is, what it reads checked (jax's cache would reuse the
+                # first trace).
+                jitted = self._memo(value, Jitted(Unchecked(), t))
+                jitted.inner = self.node(inner, path)
+                return jitted
             return Same(value)
         if isinstance(value, np.generic):
             return Const(value)
@@ -556,7 +563,10 @@ class Walk:
                 else:
                     node.globals.append((name, self.node(value, name)))
         own = vars(fn)
-        if own.keys() - _WRAPPER_ATTRS:
+        names_itself = fn.__name__ in info.globals or fn.__name__ in fn.__code__.co_freevars
+        if own.keys() - _WRAPPER_ATTRS or names_itself:
+            # (Empty too, for a function that names itself: `f.calls = getattr(f,
+            # "calls", 0) + 1` adds its attribute on the first call.)
             # Attributes set on the function (`helper.scale = 2.0`) that code may read.
             self.held(own, f"{path}.__dict__")
         if fn.__defaults__ is not None:
