@@ -1,5 +1,11 @@
 """Shared test models and numerical references."""
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +84,21 @@ def assert_leaves_equal(a, b):
     assert len(la) == len(lb)
     for x, y in zip(la, lb, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def run_on_cpu_devices(script, devices, timeout=300):
+    """Run `script` (dedented) in a fresh Python with `devices` host CPU devices (jax reads
+    XLA_FLAGS once, at import, so a test process cannot change its own device count)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parent.parent),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

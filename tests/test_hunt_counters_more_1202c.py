@@ -405,21 +405,10 @@ def _in_custom_jvp_rule():
     return lambda v: jnp.sum(g(v) ** 2)
 
 
-def _in_tg_jit_helper():
+def _in_jit_helper(jit):
     c = {"n": 0}
 
-    @tg.jit
-    def helper(v):
-        c["n"] += 1
-        return v * c["n"]
-
-    return lambda v: jnp.sum(helper(v) ** 2)
-
-
-def _in_jax_jit_helper():
-    c = {"n": 0}
-
-    @jax.jit
+    @jit
     def helper(v):
         c["n"] += 1
         return v * c["n"]
@@ -444,8 +433,8 @@ ROUTES = {
     "lax.scan-body": _in_scan,
     "fori_loop-body": _in_fori_loop,
     "custom_jvp-rule": _in_custom_jvp_rule,
-    "tg.jit-helper": _in_tg_jit_helper,
-    "jax.jit-helper": _in_jax_jit_helper,
+    "tg.jit-helper": functools.partial(_in_jit_helper, tg.jit),
+    "jax.jit-helper": functools.partial(_in_jit_helper, jax.jit),
     "classmethod-on-class-attribute": _class_attribute,
 }
 

@@ -7,11 +7,6 @@ place, `in_shardings` next to static arguments. `tg.train` never silently trains
 nothing. References: the function run uncompiled, `jax.jit`, plain optax by hand.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +14,8 @@ import optax
 import pytest
 
 import treegrad as tg
+
+from .helpers import run_on_cpu_devices
 
 ONE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
@@ -285,15 +282,7 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.slow
 @pytest.mark.devices
 def test_shardings_on_eight_devices_module_prefixes_and_their_own_programs():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(MESH_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_on_cpu_devices(MESH_SCRIPT, 8)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, proc.stderr[-3000:]
     import json

@@ -19,13 +19,8 @@ asserting the correct behaviour; those fixed are plain tests.
 """
 
 import collections
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 import treegrad as tg
 from treegrad import nn
 
-from .helpers import assert_trees_close
+from .helpers import assert_trees_close, run_on_cpu_devices
 
 X = jnp.array([0.5, -1.0, 2.0])
 W = jnp.array([1.0, 2.0, -0.5])
@@ -949,19 +944,7 @@ print("MESH OK", n)
 def test_first_gradient_of_a_process_inside_an_eager_shard_map(devices):
     # Before the fix the cotangent 1 was made once per process inside that trace and
     # kept: every later tg.gradient, anywhere, raised UnexpectedTracerError.
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(Path(__file__).parent.parent),
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_MESH_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_on_cpu_devices(_MESH_SCRIPT, devices)
     assert proc.returncode == 0 and f"MESH OK {devices}" in proc.stdout, proc.stderr[-3000:]
 
 
