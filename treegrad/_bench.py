@@ -156,14 +156,14 @@ def _systems(
         jax.block_until_ready(m)
         s[:] = [st, m]
 
-    # One counter per loss: a compiled function that changes a container reads
-    # the container's other entries fresh, so a shared dict would re-trace both.
-    naive_traces = [0]
-    implicit_traces = [0]
+    # One log per loss, appended to when traced: a list a function only appends to is
+    # its output (a number it advances would be read fresh, tracing every call).
+    naive_traces: list[int] = []
+    implicit_traces: list[int] = []
     traces = {"naive": naive_traces, "implicit": implicit_traces}
 
     def counted(m: Any, x: Any, y: Any) -> Any:
-        naive_traces[0] += 1
+        naive_traces.append(1)
         return _tg_loss(m, x, y)
 
     def tg_naive(n: int, s: list[Any] = [tg.setup(opt, m0), m0]) -> None:  # noqa: B006, B008
@@ -179,7 +179,7 @@ def _systems(
     st_imp = tg.setup(opt, ps)
 
     def counted_implicit() -> Any:
-        implicit_traces[0] += 1
+        implicit_traces.append(1)
         return _tg_loss(m_imp, x, y)
 
     def tg_implicit(n: int) -> None:
@@ -555,8 +555,8 @@ def main(
         print()
         print(format_table(title, times, cpu, paired=processes > 1))
         print(
-            f"traces of the loss: naive loop {traces['naive'][0]}, "
-            f"implicit loop {traces['implicit'][0]}"
+            f"traces of the loss: naive loop {len(traces['naive'])}, "
+            f"implicit loop {len(traces['implicit'])}"
         )
         fc = first_call(layer_sizes, batch)
         print(
