@@ -357,3 +357,37 @@ def test_train_with_params_the_container_the_loss_reads_trains_like_optax():
     np.testing.assert_allclose(losses, ref, rtol=1e-6)
     for k in p:
         np.testing.assert_allclose(params[k], p[k], rtol=1e-6)
+
+
+def test_no_gradient_inside_a_users_jax_jit_says_to_build_the_params_inside():
+    model = {"w": jnp.ones(3)}
+    ps = tg.params(model)
+
+    @jax.jit
+    def step(m):  # m: traced copies; ps holds the arrays from outside
+        return tg.gradient(lambda: jnp.sum(m["w"] ** 2), ps)[model["w"]]
+
+    with pytest.warns(
+        tg.NoGradientWarning,
+        match=r"runs inside a jax transformation .*"
+        r"Build the Params inside the transformed function",
+    ):
+        assert step(model) is None
+
+
+def test_no_gradient_inside_tg_jit_names_params_of_standalone_arrays():
+    # Not "a jax transformation": inside tg.jit the Params of standalone arrays holds
+    # arrays the function does not read (an update replaced them in the Params only).
+    W = jnp.ones(3)
+    ps = tg.Params([W + 0.0])  # another array than the global the loss reads
+
+    @tg.jit
+    def step():
+        return tg.gradient(lambda: jnp.sum(W**2), ps, strict=True)
+
+    with pytest.raises(
+        tg.NoGradientError,
+        match=r"reads none of the arrays the Params hold "
+        r"now\. Inside a compiled step .*tg\.Params\(\[W, b\]\) with W and b globals",
+    ):
+        step()

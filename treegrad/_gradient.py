@@ -210,7 +210,19 @@ def _implicit_grad(api: str, f: Any, ps: Params, has_aux: bool, strict: bool) ->
 
 def _no_gradient(api: str, strict: bool, n: int, traced: bool = False) -> None:
     msg = f"{api}: the loss does not depend on any of the {n} registered parameters, so every "
-    if traced:
+    if traced and P.in_user_function():
+        # Inside tg.jit (or tg.train's compiled step), captured arrays are inputs mapped
+        # to their tracers: a Params the loss does not read holds other arrays, most
+        # often standalone ones an earlier update replaced in the Params only.
+        msg += (
+            "gradient is None. The function reads none of the arrays the Params hold now. "
+            "Inside a compiled step (tg.jit, tg.train) the arrays it captures are its inputs; "
+            "a Params of arrays captured on their own (tg.Params([W, b]) with W and b globals) "
+            "holds new arrays after an update, which the function never reads. Keep the "
+            "parameters in a model, dict or list the function reads them from, and build the "
+            "Params from it (ps = tg.params(model))."
+        )
+    elif traced:
         # Inside jax.jit (or vmap, grad...), a model passed in is a new set of traced
         # arrays: the Params built outside hold the old ones, which the loss never reads.
         msg += (

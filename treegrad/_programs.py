@@ -251,6 +251,12 @@ def _fields(nodes: list[G.Node]) -> list[tuple[G.Node, list[tuple[str, Any]]]]:
 _MADE: list[list[Any]] = []
 
 
+def in_user_function() -> bool:
+    """Whether a user's function is running in one of treegrad's traces (a `tg.jit`
+    step, a gradient of a gradient): its captured arrays are that trace's inputs."""
+    return bool(_MADE)
+
+
 def made_implicit_back(back: Any) -> None:
     """Record an implicit-mode `back` whose gradients are keyed by traced parameters."""
     if _MADE:
