@@ -135,7 +135,11 @@ TWICE = {
 
 @pytest.mark.parametrize(
     "case",
-    list(TWICE),
+    [
+        # (The Hessians and the complex Jacobian take over ~1 s each: slow tests.)
+        pytest.param(c, marks=pytest.mark.slow) if "hessian" in c or "complex" in c else c
+        for c in TWICE
+    ],
 )
 def test_one_call_advances_a_counter_once_as_uncompiled(case):
     ours, _, c = TWICE[case]()
@@ -169,6 +173,7 @@ def test_the_usual_programs_advance_a_counter_once_per_call(api):
     np.testing.assert_allclose(np.stack(got), np.stack(_uncompiled(jaxs, 3)), rtol=1e-6)
 
 
+@pytest.mark.slow  # about 1 s each
 @pytest.mark.parametrize("style", ["explicit", "implicit"])
 def test_train_with_an_unused_parameter_and_a_counter_in_the_loss_matches_sgd(style):
     # A bias the loss does not read makes each step's first trace run again (unused

@@ -44,6 +44,7 @@ class Scaled(tg.Module):
         return (x @ self.weight) * self.scale + self.fill
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_weakly_typed_arrays_come_back_weak_and_compute_as_saved(tmp_path):
     m = Scaled(0)
     tg.save(tmp_path / "ck", m)

@@ -98,6 +98,7 @@ def test_a_shared_sub_model_with_no_arrays_stays_one_object_after_update_and_reb
     close(d2["w"], [0.9, 0.9])
 
 
+@pytest.mark.slow  # over ~1 s: the default run stays under 3 minutes
 def test_freeze_and_thaw_of_a_place_without_trainable_arrays_is_a_no_op():
     model = _chain_with_a_shared_activation()
     model[0].steps = jnp.arange(3)  # an integer array: no state either
