@@ -155,9 +155,8 @@ class Jitted:
                     (args, {}),
                     make=self._entry,
                 )
-            except ValueError as e:
+            except ValueError:
                 _check_deleted(args, kwargs)
-                _check_out_none(e, self._out_shardings)
                 raise
             return packed.value()
         fn = self.__wrapped__
@@ -208,9 +207,8 @@ class Jitted:
             _, (_, packed, _) = C.execute(
                 P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
             )
-        except ValueError as e:
+        except ValueError:
             _check_deleted(args, kwargs)
-            _check_out_none(e, self._out_shardings)
             raise
         return packed.value()
 
@@ -319,19 +317,6 @@ def _check_deleted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                     "or donate_argnames). Pass the arrays that call returned, not the "
                     "donated ones."
                 ) from None
-
-
-def _check_out_none(error: ValueError, out_shardings: Any) -> None:
-    """After jax refused a None in `out_shardings` where the output holds arrays: say so.
-    (jax.jit reads such a None as 'let XLA choose'; the compiled call constrains the
-    output with `with_sharding_constraint`, which needs a sharding for each array.)"""
-    if out_shardings is not UNSET and "got sharding None" in str(error):
-        raise ValueError(
-            "tg.jit: out_shardings holds None where the output holds arrays; tg.jit cannot "
-            "leave part of the output to XLA's choice as jax.jit does. Give a sharding for "
-            "every part holding arrays (NamedSharding(mesh, P()) to replicate it), or "
-            "out_shardings=None for none."
-        ) from None
 
 
 def _resolve(

@@ -23,6 +23,7 @@ from ._layout import constrain, tracing
 from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_output
 from ._params import Params
 from ._settle import CHANGES, Scrub, Settle
+from ._shard import by_prefix
 from ._swap import Swap, Unsettled
 
 if TYPE_CHECKING:
@@ -676,9 +677,21 @@ def _hessian_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
 def _call_program(entry: Entry, fns: list[Any], dyn: list[Any]) -> Any:
     out, written = _user(entry, fns, dyn, ())()
     if entry.out_shardings is not None:
-        out = jax.lax.with_sharding_constraint(out, entry.out_shardings)
+        out = _constrained(out, entry.out_shardings, entry.api)
     entry.n_deps = 0
     return [], pack(out), None, Written.of(written)
+
+
+def _constrained(out: Any, shardings: Any, api: str) -> Any:
+    """The output, each array on its sharding from the pytree prefix `shardings`; one
+    under a None is left to XLA's choice, as `jax.jit`'s `out_shardings` reads it."""
+    per_leaf = by_prefix(shardings, out, api)
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    placed = [
+        x if s is None or not isinstance(x, jax.Array) else jax.lax.with_sharding_constraint(x, s)
+        for x, s in zip(leaves, per_leaf, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 _PROGRAMS: dict[str, Callable[..., Any]] = {
