@@ -846,6 +846,59 @@ ROWS = [
         r"tg\.gradient: \S+ needs the numpy arrays it captures as numpy values \(mask, xb\).*"
         r"traced 4 times.*Pass an array that changes each step as a jax array",
     ),
+    # ---- errors added on 2026-12-02 (third stop)
+    row(
+        "params-nested-in-a-container",
+        lambda c: tg.Params({"enc": c.ps}),
+        TypeError,
+        r"tg\.params: the dict holds a tg\.Params at 'enc'.*tg\.Params\(\[ps, W\]\)",
+    ),
+    row(
+        "params-indexed-by-name",
+        lambda c: c.ps["weight"],
+        TypeError,
+        r"Params are indexed by position \(an int or a slice\), got a str; by name, use "
+        r"ps\.named\(\)\['weight'\]",
+    ),
+    row(
+        "params-index-out-of-range",
+        lambda c: c.ps[99],
+        IndexError,
+        r"Params index 99 is out of range: there are \d+\.",
+    ),
+    row(
+        "jit-array-as-static-argument",
+        lambda c: tg.jit(lambda a: a, static_argnums=0)(c.x),
+        TypeError,
+        r"tg\.jit: static argument 0 must be hashable \(it keys the compiled function\), got an "
+        r"array \(float32\[2×4\]\); an array is traced, not static",
+    ),
+    row(
+        "jit-of-a-classmethod",
+        lambda c: tg.jit(classmethod(lambda cls, x: x)),
+        TypeError,
+        r"tg\.jit of a classmethod: put @classmethod above @tg\.jit",
+    ),
+    row(
+        "adjust-of-a-place-without-parameters",
+        lambda c: tg.adjust_(None, learning_rate=0.1),
+        TypeError,
+        r"tg\.adjust_ got None: that is the optimiser state at a place with no trainable array",
+    ),
+    row(
+        "save-grads",
+        lambda c: tg.save(c.tmp / "g", tg.gradient(lambda: mse(c.model, c.x, c.y), c.ps)),
+        TypeError,
+        r"tg\.save.*Grads.*grads\.named\(\)",
+    ),
+    row(
+        "train-loss-ignoring-its-model",
+        lambda c: tg.train(
+            lambda m, x, y: mse(c.model, x, y), c.model, c.data, tg.setup(optax.sgd(0.1), c.model)
+        ),
+        tg.NoGradientError,
+        r"tg\.train: at epoch 0, step 0, the loss does not depend on the model it is given",
+    ),
     row(
         "datasets-batches-size-zero",
         lambda c: datasets.batches(np.ones((4, 2)), np.ones(4), 0),

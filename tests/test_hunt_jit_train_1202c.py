@@ -200,7 +200,7 @@ def test_negative_positions_of_a_varargs_function_count_from_the_end_as_jax_jit(
     assert traces[-2:] == [3, 4] and traces.count(3) == 2  # one tg.jit trace, one jax's
     with pytest.raises(TypeError, match=r"static argument 1 must be hashable.*got a list"):
         g(x, [3])
-    with pytest.raises(TypeError, match=r"an array \(float32\[2\]\) is traced, not static"):
+    with pytest.raises(TypeError, match=r"got an array \(float32\[2\]\); an array is traced"):
         g(x, x)
     a, b = jnp.ones(2), jnp.ones(2)
     tg.jit(lambda *a: (a[0] * 2, a[1] * 2), donate_argnums=-1)(a, b)

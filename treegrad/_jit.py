@@ -384,15 +384,17 @@ def _hashed(value: Any, what: str) -> Any:
         hash(value)
     except TypeError:
         if isinstance(value, (jax.Array, np.ndarray)):
+            got = f"an array ({describe_leaf(value)})"
             fix = (
-                f"an array ({describe_leaf(value)}) is traced, not static: leave it out of "
-                "static_argnums and static_argnames (or pass a tuple of Python numbers)."
+                "an array is traced, not static: leave it out of static_argnums and "
+                "static_argnames (or pass a tuple of Python numbers)."
             )
         else:
+            got = f"a {type(value).__name__}"
             fix = "pass a tuple instead of a list, or make it a traced argument."
         raise TypeError(
-            f"tg.jit: static {what} must be hashable (it keys the compiled function), got a "
-            f"{type(value).__name__}; {fix}"
+            f"tg.jit: static {what} must be hashable (it keys the compiled function), got "
+            f"{got}; {fix}"
         ) from None
     return value
 
