@@ -94,7 +94,8 @@ class StepInfo(NamedTuple):
 def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ...]) -> Any:
     value, (g,) = withgradient(lambda m: loss(m, *batch), model)
     _check_scalar(value)
-    if not any(map(_is_inexact_array, _trainable(g))):
+    trained = _trainable(g)  # (read once: also checked for finite values below)
+    if not any(map(_is_inexact_array, trained)):
         # Every gradient None: nothing would be trained, silently (read by `train`).
         raise NoGradientError("tg.train: no gradient")
     new_state, new_model = update(state, model, g)
@@ -102,7 +103,7 @@ def _step(loss: Callable[..., Any], state: Any, model: Any, batch: tuple[Any, ..
     # too large), and that model must not be kept as the last good one. Only what
     # the optimiser trains is checked: a buffer outside `__trainable__` may hold
     # -inf (an attention mask) or have a NaN gradient that nothing uses.
-    ok = _finite(_trainable(g)) & _stayed_finite(_trainable(model), _trainable(new_model))
+    ok = _finite(trained) & _stayed_finite(_trainable(model), _trainable(new_model))
     return new_state, new_model, value, ok
 
 
