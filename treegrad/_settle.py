@@ -322,7 +322,7 @@ class Settle:
                 self.written[node.place] = v
             return node
         if isinstance(node, Const):
-            if v is node.value or (type(v) is type(node.value) and _equal(v, node.value)):
+            if _same_value(v, node.value):
                 return node
             return self._demote(node, v)
         if isinstance(node, Snap):
@@ -610,6 +610,11 @@ def _same(target: Node, alias: Any, v: Any) -> bool:
     return alias is v or (isinstance(target, Jitted) and getattr(alias, "__wrapped__", None) is v)
 
 
+def _same_value(now: Any, old: Any) -> bool:
+    """Whether a number's or string's place holds the value a Const was made from."""
+    return now is old or (type(now) is type(old) and _equal(now, old))
+
+
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, (float, complex, np.floating, np.complexfloating)) and a != a:
         # NaN (a Python, complex or numpy one): the same NaN when written again.
@@ -642,7 +647,7 @@ def _old_value(node: Node, now: Any) -> Any:
     function changed it (`now` is what it holds now); else MISSING."""
     if isinstance(node, Const):
         old = node.value
-        if old is MISSING or now is old or (type(now) is type(old) and _equal(now, old)):
+        if old is MISSING or _same_value(now, old):
             return MISSING
         return old
     if isinstance(node, Same):
