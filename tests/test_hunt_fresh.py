@@ -1036,7 +1036,7 @@ def test_implicit_captured_module_static_function_reads_a_changed_dict():
 
 def test_schedule_inside_an_optax_transformation_reads_a_changed_dict():
     # Inside tg.jit the optimiser state's rules are walked for the user's functions
-    # (`_walk.static_callables`): the schedule's dict entry is guarded like a closure's.
+    # (`_reach.static_callables`): the schedule's dict entry is guarded like a closure's.
     cfg = {"lr": 0.1}
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=lambda count: cfg["lr"])
     model = {"w": jnp.ones(3)}

@@ -29,9 +29,9 @@ from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
 from ._programs import CALL
+from ._reach import _SLOT_NAMES, describe
 from ._settle import CHANGES, changes_made
 from ._tree import describe_leaf, user_stacklevel
-from ._walk import _SLOT_NAMES, describe
 
 
 class RetraceWarning(UserWarning):

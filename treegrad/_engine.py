@@ -49,10 +49,11 @@ from ._layout import placements, several_devices
 from ._outputs import DYN, Packed, Written, _Aux, expand, split_unique, uniq
 from ._paths import get_at, put_at
 from ._programs import CALL, GRAD, cotangent, is_cotangent, trace
+from ._reach import is_plain_object, node_types, static_callables
 from ._settle import holders
 from ._swap import Swap, undo_writes
 from ._tree import describe_leaf, is_inexact, picker
-from ._walk import Walk, is_plain_object, node_types, static_callables
+from ._walk import Walk
 
 # --- step 3: one compiled program per entry ----------------------------------------
 

@@ -26,9 +26,9 @@ from . import _cache as C
 from . import _engine as E
 from . import _guard as G
 from . import _programs as P
+from ._reach import is_plain_object
 from ._shard import by_prefix
 from ._tree import describe_leaf, value_key
-from ._walk import is_plain_object
 
 # A class or module passed as an argument (`cls` of a compiled classmethod) is guarded
 # like a function: keyed by identity alone, a class attribute it reads could go stale.

@@ -16,8 +16,8 @@ import numpy as np
 
 from ._grads import Grads
 from ._optstate import _Config
+from ._reach import node_types
 from ._tree import describe_leaf, first_difference, is_none, path_str
-from ._walk import node_types
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
 

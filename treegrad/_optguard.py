@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from ._guardcode import Guard
-from ._walk import Walk, user_functions
+from ._reach import user_functions
+from ._walk import Walk
 
 
 class RuleGuard:

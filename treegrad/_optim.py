@@ -36,12 +36,12 @@ from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState, skip_problem
 from ._params import Params
 from ._paths import rebind
+from ._reach import node_types
 from ._tree import (
     describe_leaf,
     is_differentiable,
     tree_map_shared,
 )
-from ._walk import node_types
 
 
 def _source(model: Any) -> Any:

@@ -48,7 +48,7 @@ from ._guard import (
 )
 from ._jaxpr import is_tracer
 from ._paths import IN_PLACE, rebind, rebind_value
-from ._walk import slot_names
+from ._reach import slot_names
 
 
 class Unsettled(Exception):
