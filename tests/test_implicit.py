@@ -169,8 +169,20 @@ def test_grads_arithmetic_and_map():
     other = tg.gradient(lambda: jnp.sum(u), tg.Params([u]))
     with pytest.raises(ValueError, match="different parameter sets"):
         g1 + other
-    with pytest.raises(TypeError):
-        g1["w"] = 1  # read-only
+    with pytest.raises(TypeError, match="Grads is read-only"):
+        g1["w"] = 1
+
+
+def test_grads_summed_over_batches_equal_jax_grad_of_the_summed_loss():
+    w = jnp.array([0.5, -1.0])
+    ps = tg.Params([w])
+    batches = [jnp.array([1.0, 2.0]), jnp.array([-3.0, 0.5]), jnp.array([2.0, 2.0])]
+    total = sum(tg.gradient(lambda: jnp.sum(jnp.sin(w * x)), ps) for x in batches)  # noqa: B023
+    want = jax.grad(lambda w: sum(jnp.sum(jnp.sin(w * x)) for x in batches))(w)
+    np.testing.assert_allclose(total[w], want, rtol=1e-6)
+    # Only Python's starting 0 is an identity: any other number is refused, by name.
+    with pytest.raises(TypeError, match=r"unsupported operand type\(s\) for \+: 'int' and 'Grads'"):
+        1 + total
 
 
 @pytest.mark.slow  # over ~1.5 s: the default run stays under 3 minutes

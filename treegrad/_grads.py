@@ -97,6 +97,8 @@ class Grads(Mapping[Any, Any]):
         Array([1., 1., 1.], dtype=float32)
         >>> (2 * grads)[b]
         Array([2., 2., 2.], dtype=float32)
+        >>> sum([grads, grads, grads])[b]  # accumulated over batches
+        Array([3., 3., 3.], dtype=float32)
     """
 
     __slots__ = ("_grads", "_index", "_names", "_params", "_paths")
@@ -238,6 +240,13 @@ class Grads(Mapping[Any, Any]):
 
     def __add__(self, other: Any) -> Grads:
         return self._binary(other, jnp.add)
+
+    def __radd__(self, other: Any) -> Grads:
+        # `sum(list_of_grads)` starts from the integer 0 (Python's `sum`): accumulating
+        # the gradients of several batches is the common use.
+        if type(other) is int and other == 0:
+            return self
+        return NotImplemented
 
     def __sub__(self, other: Any) -> Grads:
         return self._binary(other, jnp.subtract)
