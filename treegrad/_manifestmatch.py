@@ -31,6 +31,7 @@ from ._manifest import (
     is_array,
     leaves_with_keys,
 )
+from ._tree import functor
 
 # What jax.eval_shape makes of a Python number: a scalar ShapeDtypeStruct of
 # this kind of dtype (weakly typed, but for bool).
@@ -132,8 +133,48 @@ def match(
         raise ValueError(
             f"{api}: the checkpoint {where} has '{path}', which the model lacks. {hint}"
         )
-    treedef = jax.tree_util.tree_structure(like)
-    return out, lambda new: jax.tree_util.tree_unflatten(treedef, new)
+    return out, lambda new: _rebuild_keeping_shared(like, new)
+
+
+def _rebuild_keeping_shared(like: Any, new: list[Any]) -> Any:
+    """`like`'s structure with leaves `new`, a node held at several places of `like`
+    (the same Dense twice in a Chain) again one object at those places.
+
+    `jax.tree_util.tree_unflatten` would build a copy per place: the loaded model's
+    layers would come apart (an edit of one no longer seen by the other), where the
+    model that was saved, and the one that `tg.update` returns, hold one object. A
+    repeat is shared only when its loaded leaves are the very objects of the first
+    place (the tie check of `match` makes that so for arrays); otherwise it stays a
+    copy of its own, as before.
+    """
+    # Keyed by id, holding the node: a foreign pytree may flatten to temporary
+    # children, whose ids could otherwise be reused during the walk.
+    memo: dict[int, tuple[Any, list[Any], Any]] = {}
+    pos = 0
+
+    def go(node: Any) -> Any:
+        nonlocal pos
+        level = functor(node)
+        if level is None:
+            pos += 1
+            return new[pos - 1]
+        start = pos
+        built = level[1]([go(child) for _, child in level[0]])
+        mine = new[start:pos]
+        # None is one object wherever it is; an immutable tuple held twice cannot be
+        # told from two equal ones (as `shares_nodes`).
+        if node is None or isinstance(node, tuple):
+            return built
+        seen = memo.get(id(node))
+        if seen is None:
+            memo[id(node)] = (node, mine, built)
+        elif len(seen[1]) == len(mine) and all(a is b for a, b in zip(seen[1], mine, strict=True)):
+            return seen[2]
+        return built
+
+    result = go(like)
+    assert pos == len(new), (pos, len(new))
+    return result
 
 
 def _is_saved_python_scalar(leaf: Any, r: LeafRecord) -> bool:

@@ -22,9 +22,10 @@ def check_features(
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) == 0 or shape[axis] != expected:
         fix = "; start from cell.initial_state(batch_shape)" if what == "a state" else ""
+        # A Python number or list has no shape: "got shape None" would not say what it was.
+        got = f"shape {shape}" if shape is not None else f"a {type(x).__name__}, not an array"
         raise ValueError(
-            f"{layer!s}: expected {what} with {expected} features on axis {axis}, got shape "
-            f"{shape}{fix}."
+            f"{layer!s}: expected {what} with {expected} features on axis {axis}, got {got}{fix}."
         )
 
 
