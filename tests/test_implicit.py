@@ -5,6 +5,7 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import treegrad as tg
@@ -252,3 +253,84 @@ def test_parameter_in_slotted_object_is_found():
     o.w = jnp.array([1.0, 2.0])
     grads = tg.gradient(lambda: jnp.sum(o.w**2), tg.Params(o.w))
     np.testing.assert_allclose(grads[o.w], [2.0, 4.0])
+
+
+# Flux's `Params([W, b])` with W and b globals: Julia's update! mutates the arrays; jax
+# arrays are immutable, so tg.update_ rebinds them inside the list the Params holds,
+# which the loss does not read. It trained nothing, silently, until the next gradient.
+def _globals_case():
+    W, b, x = jnp.ones((2, 3)), jnp.zeros(2), jnp.arange(3.0)
+    ps = tg.Params([W, b])
+    state = tg.setup(optax.adam(0.1), ps)
+    return W, b, x, ps, state
+
+
+def test_update_in_place_of_params_the_loss_does_not_read_is_refused_and_changes_nothing():
+    W, b, x, ps, state = _globals_case()
+    before = jax.tree.leaves(state)
+    g = tg.gradient(lambda: jnp.sum((W @ x + b) ** 2), ps)
+    with pytest.raises(
+        TypeError,
+        match=r"tg\.update_: the loss reads the Params' parameter 0 \(float32\[2×3\]\) as W, "
+        r"not from the containers the Params holds.*never train.*Nothing was changed",
+    ):
+        tg.update_(state, ps, g)
+    assert ps[0] is W and ps[1] is b
+    assert all(a is c for a, c in zip(jax.tree.leaves(state), before, strict=True))
+
+
+def test_update_in_place_refused_inside_tg_jit_too_and_the_model_is_kept():
+    model = nn.Dense(3, 2, key=jax.random.key(1))
+    weight, bias = model.weight, model.bias
+    ps = tg.Params([model.bias])  # a list of its own: the loss reads model.bias
+    state = tg.setup(optax.sgd(0.1), ps)
+
+    @tg.jit
+    def step(x):
+        g = tg.gradient(lambda: jnp.sum(model(x) ** 2), ps)
+        tg.update_(state, ps, g)
+
+    with pytest.raises(TypeError, match=r"parameter 0 \(float32\[2\]\) as model\.bias"):
+        step(jnp.ones((4, 3)))
+    assert model.weight is weight and model.bias is bias and ps[0] is bias
+
+
+def test_update_in_place_of_params_of_the_container_the_loss_reads_equals_optax():
+    W, b, x, _, _ = _globals_case()
+    p = {"W": W, "b": b}
+    ps = tg.params(p)
+    state = tg.setup(optax.adam(0.1), ps)
+
+    def f(q):
+        return jnp.sum((q["W"] @ x + q["b"]) ** 2)
+
+    rule = optax.adam(0.1)
+    ref, ref_state = {"W": W, "b": b}, rule.init({"W": W, "b": b})
+    for _ in range(3):
+        tg.update_(state, ps, tg.gradient(lambda: f(p), ps))
+        u, ref_state = rule.update(jax.grad(f)(ref), ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+    np.testing.assert_allclose(p["W"], ref["W"], rtol=1e-6)
+    np.testing.assert_allclose(p["b"], ref["b"], rtol=1e-6)
+
+
+def test_update_in_place_when_the_loss_reads_the_params_themselves_is_allowed():
+    # Flux's weight-decay idiom reads the parameters through the Params: after the
+    # update it reads the new arrays, so nothing is stale.
+    W, b, _, ps, state = _globals_case()
+    state = tg.setup(optax.sgd(0.1), ps)
+    g = tg.gradient(lambda: sum(jnp.sum(q**2) for q in ps), ps)
+    tg.update_(state, ps, g)
+    np.testing.assert_allclose(ps[0], W - 0.1 * 2 * W, rtol=1e-6)
+    np.testing.assert_allclose(ps[1], b, rtol=1e-6)
+
+
+def test_train_with_params_the_loss_does_not_read_names_the_step_and_keeps_everything():
+    W, b, x, ps, state = _globals_case()
+    before = jax.tree.leaves(state)
+    with pytest.raises(
+        TypeError, match=r"tg\.train, at epoch 0, step 0: tg\.update_: the loss reads the Params'"
+    ):
+        tg.train(lambda x: jnp.sum((W @ x + b) ** 2), ps, [(x,)] * 3, state)
+    assert ps[0] is W and ps[1] is b
+    assert all(a is c for a, c in zip(jax.tree.leaves(state), before, strict=True))

@@ -203,12 +203,35 @@ def _implicit_grad(api: str, f: Any, ps: Params, has_aux: bool, strict: bool) ->
     if values and all(g is None for g in values):
         # Only now (a rare path): whether the function read traced arrays.
         read = call.entry.guard.check(f) or ()
-        _no_gradient(api, strict, len(values), traced=any(map(_jaxpr.is_tracer, read)))
+        _no_gradient(
+            api,
+            strict,
+            len(values),
+            traced=any(map(_jaxpr.is_tracer, read)),
+            replaced=_reads_lookalikes(read, call.arrays),
+        )
     value = packed.value() if has_aux else None
-    return value, Grads(call.arrays, values, call.paths)
+    return value, Grads(call.arrays, values, call.paths, ((call.entry, (f,)),))
 
 
-def _no_gradient(api: str, strict: bool, n: int, traced: bool = False) -> None:
+def _reads_lookalikes(read: Any, arrays: Any) -> bool:
+    """Whether the function reads, instead of the parameters, arrays of every one of their
+    shapes and dtypes: the model was most likely replaced by a new one after
+    `tg.params(model)` (an equinox model updated with `eqx.apply_updates` or `eqx.tree_at`,
+    `model = new_model`), and the Params still hold the old one's arrays. Every kind must
+    be matched, one of them not a scalar, so a loss computed outside (`q = model(x)`,
+    read as one array) keeps the usual message."""
+    kinds = {(a.shape, a.dtype) for a in arrays if isinstance(a, jax.Array)}
+    ids = {id(a) for a in arrays}
+    if not any(shape for shape, _ in kinds) or any(id(a) in ids for a in read):
+        return False  # (it reads a parameter: under stop_gradient, say)
+    seen = {(a.shape, a.dtype) for a in read if isinstance(a, jax.Array)}
+    return kinds <= seen
+
+
+def _no_gradient(
+    api: str, strict: bool, n: int, traced: bool = False, replaced: bool = False
+) -> None:
     msg = f"{api}: the loss does not depend on any of the {n} registered parameters, so every "
     if traced and P.in_user_function():
         # Inside tg.jit (or tg.train's compiled step), captured arrays are inputs mapped
@@ -239,6 +262,18 @@ def _no_gradient(api: str, strict: bool, n: int, traced: bool = False) -> None:
             "the function is differentiated. Move the model call inside, or use explicit "
             "mode: tg.gradient(lambda m: loss(m(x), y), model)."
         )
+        if replaced:
+            # That points the wrong way when the function reads a model of the same
+            # shapes: an immutable model (equinox) updated purely is a new object, and a
+            # Params of the old one is never read.
+            msg += (
+                " Or, since the function reads other arrays of the parameters' shapes and "
+                "dtypes: the model was probably replaced by a new one since the Params were "
+                "built (eqx.apply_updates, eqx.tree_at, tg.update and `model = ...` all make a "
+                "new model; the Params hold the old one's arrays). Build the Params again from "
+                "the model the function reads (ps = tg.params(model)), or update in place with "
+                "tg.update_(state, ps, grads), which keeps them current."
+            )
     if strict:
         raise NoGradientError(msg)
     warnings.warn(msg, NoGradientWarning, stacklevel=user_stacklevel())
@@ -446,7 +481,8 @@ def pullback(f: Callable[..., Any], *args: PyTree) -> tuple[PyTree, Pullback]:
         _, packed, back = call.out
         arrays, paths = call.arrays, call.paths
         none = Grads(arrays, [None] * len(arrays), paths)
-        pb = Pullback(back, packed, lambda g: Grads(arrays, call.place(g), paths), none)
+        readers = ((call.entry, (f,)),)
+        pb = Pullback(back, packed, lambda g: Grads(arrays, call.place(g), paths, readers), none)
         if any(map(_jaxpr.is_tracer, arrays)):
             P.made_implicit_back(pb)  # keyed by tracers: must not leave their trace
         return packed.value(), pb

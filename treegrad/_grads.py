@@ -101,12 +101,18 @@ class Grads(Mapping[Any, Any]):
         Array([3., 3., 3.], dtype=float32)
     """
 
-    __slots__ = ("_grads", "_index", "_names", "_params", "_paths")
+    __slots__ = ("_grads", "_index", "_names", "_params", "_paths", "_readers")
     # numpy would otherwise take a Grads for a sequence of its keys (the parameters)
     # in `np.float32(2) * grads` and scale those; None makes it defer to __rmul__.
     __array_ufunc__ = None
 
-    def __init__(self, params: list[Any], grads: list[Any], paths: list[tuple[Any, ...]]):
+    def __init__(
+        self,
+        params: list[Any],
+        grads: list[Any],
+        paths: list[tuple[Any, ...]],
+        readers: tuple[Any, ...] = (),
+    ):
         self._params = params
         self._grads = grads
         # Key paths, turned into dotted names only when asked: keystr costs
@@ -114,6 +120,9 @@ class Grads(Mapping[Any, Any]):
         self._paths = paths
         self._names: list[str] | None = None
         self._index: dict[int, int] | None = None
+        # The loss functions these gradients were taken of, each with its cache entry,
+        # whose guard re-reads what the function reads (`unread`).
+        self._readers = readers
 
     @property
     def _names_list(self) -> list[str]:
@@ -164,6 +173,7 @@ class Grads(Mapping[Any, Any]):
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         params, grads, paths = state
         self._params, self._grads, self._paths = params, grads, paths
+        self._readers = ()  # a copy's parameters are new objects no function reads
         self._names = None
         self._index = None  # rebuilt on the first lookup, from the new objects' ids
 
@@ -179,7 +189,8 @@ class Grads(Mapping[Any, Any]):
 
     def map(self, fn: Callable[[Any], Any]) -> Grads:
         """A new `Grads` with `fn` applied to every gradient that is not `None`."""
-        return Grads(self._params, [None if g is None else fn(g) for g in self._grads], self._paths)
+        grads = [None if g is None else fn(g) for g in self._grads]
+        return Grads(self._params, grads, self._paths, self._readers)
 
     def _aligned(self, other: Grads) -> list[Any]:
         """`other`'s gradients in this one's parameter order: the same set, any order
@@ -236,7 +247,8 @@ class Grads(Mapping[Any, Any]):
             return NotImplemented
         theirs = self._aligned(other)
         grads = [_combine(a, b, op) for a, b in zip(self._grads, theirs, strict=True)]
-        return Grads(self._params, grads, self._paths)
+        readers = self._readers + tuple(r for r in other._readers if r not in self._readers)
+        return Grads(self._params, grads, self._paths, readers)
 
     def __add__(self, other: Any) -> Grads:
         return self._binary(other, jnp.add)
@@ -296,6 +308,27 @@ class Grads(Mapping[Any, Any]):
                 seen.add(id(leaf))
                 out.append(grads[i])
         return out
+
+    def unread(self, changed: dict[int, Any]) -> tuple[str, Any] | None:
+        """After `tg.update_` rebound parameters inside a Params' containers (`changed`:
+        old array's id to new array): a parameter the loss reads only where the update
+        did not reach, so that it would keep reading the old array and never train, as
+        (where the loss reads it, the old array); None when there is none.
+
+        The Params of Flux's `Params([W, b])` with `W` and `b` globals: Julia's update
+        mutates the arrays; jax arrays are immutable, so the update rebinds them in the
+        list the Params holds, which the loss does not read.
+        """
+        for entry, roots in self._readers:
+            read = entry.guard.check(*roots)
+            if read is None:  # the function changed since: what it reads is not known
+                continue
+            where = {id(a): k for k, a in enumerate(read)}
+            for p in self._params:
+                new = changed.get(id(p))
+                if new is not None and id(p) in where and id(new) not in where:
+                    return entry.names[where[id(p)]], p
+        return None
 
     def to_tree(self, model: Model) -> GradientTree:
         """The explicit gradient tree for `model`: what `tg.gradient(f, model)` gives.

@@ -495,7 +495,8 @@ def _update_in_place(state: Any, model: Any, grads: Any) -> None:
     if isinstance(src, jax.Array):
         raise TypeError(
             "tg.update_ cannot update a standalone array in place; hold it in a list, dict or "
-            "Module, or use the pure tg.update."
+            "Module that the loss reads it from, and build the Params from that, or use the "
+            "pure tg.update."
         )
     m_leaves, params, new_params, leaves, config = _run(state, src, grads, api, in_place=True)
     if _is_tracer_in(new_params) and not _is_tracer_in(params):
@@ -518,6 +519,8 @@ def _update_in_place(state: Any, model: Any, grads: Any) -> None:
         rebind(src, changed, (m_leaves, config.treedef))
         if isinstance(model, Params):
             model._rebound(src)
+            if isinstance(grads, Grads) and grads._readers:
+                _check_read(grads, changed, model, src, m_leaves, config.treedef)
     if config is not state._config and (_is_tracer_in(new_params) or _is_tracer_in(leaves)):
         # Inside a compiled step, after an edit of the model's static data: the state
         # keeps its configuration (the same arrays and places; only the model's static
@@ -525,6 +528,39 @@ def _update_in_place(state: Any, model: Any, grads: Any) -> None:
         # the step is not traced again. Outside a trace it follows the model.
         config = state._config
     state._install(config, leaves)
+
+
+class UnreadParameterError(TypeError):
+    """`tg.update_` refused: the loss reads a parameter where the update cannot reach
+    (`_check_read`). A TypeError; `tg.train` adds the step to its message."""
+
+
+def _check_read(
+    grads: Grads, changed: dict[int, Any], ps: Params, src: Any, m_leaves: list[Any], treedef: Any
+) -> None:
+    """After the arrays were rebound inside the Params' containers: refuse, undoing
+    the rebinding, when the loss reads a parameter only where the update did not reach
+    (`Grads.unread`): it would read the old array on every later step, never training,
+    and the next gradient would be None with no sign of why."""
+    unread = grads.unread(changed)
+    if unread is None:
+        return
+    where, old = unread
+    new_leaves = [changed.get(id(leaf), leaf) for leaf in m_leaves]
+    back = {id(changed[id(leaf)]): leaf for leaf in m_leaves if id(leaf) in changed}
+    rebind(src, back, (new_leaves, treedef))
+    ps._rebound(src)
+    name = next((n for n, p in ps.named().items() if p is old), "")
+    # A standalone array's name is its position in the Params: say so.
+    label = f"parameter {name}" if name.isdigit() else f"parameter {name!r}"
+    raise UnreadParameterError(
+        f"tg.update_: the loss reads the Params' {label} ({describe_leaf(old)}) as "
+        f"{where}, not from the containers the Params holds, so the update would rebind it "
+        "only inside the Params: the loss would keep reading the old array and never train "
+        "(jax arrays are immutable; Flux's update! mutates them). Nothing was changed. Build "
+        "the Params from what the loss reads: a model or dict the loss reads the parameter "
+        "from (ps = tg.params(model), or p = {'W': W} read as p['W'] in the loss)."
+    )
 
 
 def _is_tracer_in(leaves: Sequence[Any]) -> bool:

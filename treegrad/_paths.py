@@ -9,6 +9,7 @@ rebuilding the tuple and rebinding it in its own parent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -247,7 +248,24 @@ def _become(node: Any, changed: dict[int, Any], found: set[int]) -> None:
             mine.add(id(new))
         new_leaves.append(leaf if new is None else new)
     copy = jax.tree_util.tree_unflatten(treedef, new_leaves)
-    _take_contents(node, copy, mine)
+    if isinstance(node, functools.partial) and type(copy) is type(node):
+        # A jax.tree_util.Partial (a functools.partial) keeps its arguments in C slots,
+        # not in attributes: `_take_contents` found nothing to take and the update was
+        # a silent no-op (a trainable array in a Partial never changed). Its
+        # __setstate__ replaces func, args and keywords in place.
+        state: Any = copy.__reduce__()[2]
+        setstate: Any = node.__setstate__  # type: ignore[attr-defined]
+        setstate(state)
+    else:
+        _take_contents(node, copy, mine)
+    now = {id(leaf) for leaf in jax.tree_util.tree_leaves(node)}
+    if not mine <= now:
+        # Never a silent no-op: a leaf that did not land would keep its old value.
+        raise TypeError(
+            f"cannot update a {type(node).__name__} in place: its leaves are not held in "
+            "attributes treegrad can rebind. Hold parameters in a tg.Module, a dict or a "
+            "list, or use the pure tg.update."
+        )
 
 
 def _with_child(node: Any, key: Any, value: Any) -> Any:

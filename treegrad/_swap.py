@@ -348,7 +348,11 @@ class Swap:
         if not changed:
             # An optimiser state may gain traced leaves (a new rule); a later run
             # (`again`) may rebind a leaf to its own traced value.
-            if type(v) in IN_PLACE or self.again:
+            # So may a captured Module with no arrays put in it (a lazy layer whose
+            # `self.w = None` the function fills in while traced): without a restore
+            # logged, nothing took that tracer out again and the next call failed
+            # with jax's UnexpectedTracerError (`held`: it has containers to scrub).
+            if type(v) in IN_PLACE or self.again or held:
                 self._log(lambda: _restore_tree(v, treedef, leaves, {}, self, held))
             return v
         try:

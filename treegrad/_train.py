@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ._gradient import withgradient
 from ._grads import Grads
 from ._jit import jit
-from ._optim import OptState, update, update_
+from ._optim import OptState, UnreadParameterError, update, update_
 from ._params import NoGradientError, Params, trainable_leaves_with_path
 from ._paths import rebind
 from ._shard import DATA, shard_batch
@@ -453,6 +453,9 @@ def _implicit_train_step(
         value, flags = step_fn(batch)
     except NoGradientError:
         raise _no_gradient(epoch, step, ps, implicit=True) from None
+    except UnreadParameterError as e:
+        # Refused before any change (`tg.update_`): the model and state are as they were.
+        raise UnreadParameterError(f"tg.train, at epoch {epoch}, step {step}: {e}") from None
     v, (grads_ok, params_ok) = jax.device_get((value, flags))
     v = float(v)
     ok = bool(grads_ok and params_ok)
