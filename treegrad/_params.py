@@ -510,20 +510,36 @@ def _convert_numpy(tree: Any, api: str) -> None:
     # One jax.Array per numpy object: a tied numpy weight (one object at two places)
     # stays tied, and one parameter; converted place by place it became two.
     converted: dict[int, jax.Array] = {}
-    for path, leaf in trainable_leaves_with_path(tree):
-        if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.inexact):
-            if id(leaf) not in converted:
-                converted[id(leaf)] = jnp.asarray(leaf)
-            try:
-                set_at(tree, path, converted[id(leaf)])
-            except TypeError as e:  # nowhere to rebind: immutable all the way up
-                raise TypeError(
-                    f"{api}: '{path_str(path)}' is a numpy array inside an immutable "
-                    f"{type(tree).__name__}, so it cannot be converted to a jax.Array in place "
-                    "(parameters are tracked by identity, and JAX copies a numpy array into a "
-                    "new object whenever it is used). Pass jnp.asarray(...) instead, or hold "
-                    "it in a list or dict."
-                ) from e
+    places = [
+        (path, leaf)
+        for path, leaf in trainable_leaves_with_path(tree)
+        if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.inexact)
+    ]
+    if places:
+        # The same numpy object at a non-trainable place too (`frozen` of a Module
+        # with `__trainable__`) becomes that jax.Array: left numpy, the tie broke and
+        # that place kept the old value after each update (a jax.Array tied across
+        # both places is one object, updated at both).
+        numpy_ids = {id(leaf) for _, leaf in places}
+        trainable_paths = {path for path, _ in places}
+        places += [
+            (path, leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if id(leaf) in numpy_ids and path not in trainable_paths
+        ]
+    for path, leaf in places:
+        if id(leaf) not in converted:
+            converted[id(leaf)] = jnp.asarray(leaf)
+        try:
+            set_at(tree, path, converted[id(leaf)])
+        except TypeError as e:  # nowhere to rebind: immutable all the way up
+            raise TypeError(
+                f"{api}: '{path_str(path)}' is a numpy array inside an immutable "
+                f"{type(tree).__name__}, so it cannot be converted to a jax.Array in place "
+                "(parameters are tracked by identity, and JAX copies a numpy array into a "
+                "new object whenever it is used). Pass jnp.asarray(...) instead, or hold "
+                "it in a list or dict."
+            ) from e
 
 
 def params(xs: Model) -> Params:

@@ -38,6 +38,11 @@ def _child(node: Any, key: Any) -> Any:
 def _replaced(node: Any, key: Any, value: Any) -> Any:
     """`node` with child `key` set to `value`: the same object if it is mutable."""
     if isinstance(key, GetAttrKey):
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            # jax addresses a NamedTuple's children by GetAttrKey, but it is a tuple:
+            # immutable, so rebuilt like one (setattr raised "can't set attribute" from
+            # tg.params converting a numpy leaf in it, and from re-tying its outputs).
+            return node._replace(**{key.name: value})  # type: ignore[attr-defined]
         try:
             setattr(node, key.name, value)
         except (AttributeError, dataclasses.FrozenInstanceError):
