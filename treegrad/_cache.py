@@ -22,7 +22,7 @@ import jax
 
 from . import _guard as G
 from . import _optguard
-from ._call import _GROUPS, Call, root_keys, uniq_in_groups
+from ._call import _BARE, _GROUPS, Call, has_bare_nodes, root_keys, uniq_in_groups
 from ._draws import Draws
 from ._engine import NUMPY_VALUES, Entry, Refit, values_mode
 from ._fasttree import Shape
@@ -69,10 +69,10 @@ _WARNED: set[Any] = set()
 # Per function (and program, options): the last arguments' structure, its ties, its
 # bucket and its argument groups (`_call._groups`).
 _Slots = tuple[int, ...] | None
-_RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots, Any]] = {}
+_RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots, Any, bool]] = {}
 _SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
-MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES, NUMPY_VALUES]
+MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES, NUMPY_VALUES, _BARE]
 # Per function: how many traces in a row changed a value it can read (`_warn_changed`).
 _CHANGING: dict[Any, int] = {}
 MEMOS.append(_CHANGING)
@@ -105,10 +105,10 @@ def execute(
         if recent is not None:
             # The arguments' structure seen last with this function, read by generated
             # code: the same structure and ties give the same cache key.
-            shape, slots, last, groups, shared = recent
+            shape, slots, last, groups, shared, bare = recent
             leaves = shape.flatten(args)
             if leaves is not None:
-                if slots is None and len(set(map(id, leaves))) == len(leaves):
+                if slots is None and not bare and len(set(map(id, leaves))) == len(leaves):
                     # No tied arrays: the usual case; the usual explicit gradient in one step.
                     if last and last[0].fast and params is None:
                         first = last[0]
@@ -120,7 +120,10 @@ def execute(
                     hit = _lookup(last, roots, leaves, params)
                 else:
                     a_uniq, a_slots = uniq_in_groups(leaves, groups)
-                    same = a_slots == slots and (a_slots is None or shared_nodes(args) == shared)
+                    # With a node holding no array (`bare`), sharing is read afresh.
+                    same = a_slots == slots and (
+                        (a_slots is None and not bare) or shared_nodes(args) == shared
+                    )
                     hit = _lookup(last, roots, a_uniq, params) if same else None
                 if hit is not None:
                     return hit
@@ -277,7 +280,8 @@ def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
         _RECENT.clear()
     # An emptied bucket is dropped from the cache; the one held here then stays
     # empty, so the fast path misses and the slow path files the new one.
-    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared)
+    bare = has_bare_nodes(call.a_def)
+    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared, bare)
 
 
 def _say(message: str) -> None:

@@ -57,9 +57,11 @@ class Call:
             self.a_statics = tuple(DYN if G.is_array(x) else x for x in leaves)
         self.groups = _groups(program, a_def, self.a_statics)
         self.a_uniq, self.a_slots = uniq_in_groups(arrays, self.groups)
-        # A sub-model at two places holds its arrays at both, so only arguments with
-        # repeated arrays can share one: then which (the trace shares it again).
-        self.a_shared = None if self.a_slots is None else shared_nodes(args)
+        # A sub-model at two places holds its arrays at both, so arguments without
+        # repeated arrays share one only where it holds none (`bare`): then which (the
+        # trace shares it again).
+        share = self.a_slots is not None or has_bare_nodes(a_def)
+        self.a_shared = shared_nodes(args) if share else None
         typed = None if self.a_statics is None else _static_key(self.a_statics)
         self.key = (
             program,
@@ -70,6 +72,38 @@ class Call:
             self.a_slots,
             self.a_shared,
         )
+
+
+_BARE: dict[Any, bool] = {}  # cleared with the other memos (_cache.MEMOS)
+
+
+def has_bare_nodes(treedef: Any) -> bool:
+    """Whether the structure has a node that could be shared without an array showing
+    it: a Module, list or dict holding no array (a Module of static data only). A
+    shared node holding arrays repeats them, which the ties of the arrays reveal."""
+    bare = _BARE.get(treedef)
+    if bare is None:
+        if len(_BARE) >= _MEMO_BOUND:
+            _BARE.clear()
+        bare = _BARE[treedef] = _bare(treedef)
+    return bare
+
+
+# None and tuples are never shared objects (`shared_nodes`); an empty dict or list is
+# left out too: every call's keyword arguments are one, made afresh.
+_NOT_BARE = (tuple, type(None))
+
+
+def _bare(treedef: Any) -> bool:
+    stack = [treedef]
+    while stack:
+        td = stack.pop()
+        data = td.node_data()
+        if data is not None and td.num_leaves == 0 and not issubclass(data[0], _NOT_BARE):
+            if td.num_nodes > 1 or data[0] not in (dict, list):
+                return True
+        stack.extend(td.children())
+    return False
 
 
 def _static_key(statics: tuple[Any, ...]) -> Any:
