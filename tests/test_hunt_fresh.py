@@ -701,9 +701,11 @@ def test_random_closures_and_mutation_sequences_are_never_stale(case):
     _run_case(case)
 
 
-# New closures on every run (not derandomized): 74 s at 150 on a 2-core machine.
+# New closures on every run (not derandomized): 74 s at 150 on a 2-core machine, 147 s
+# at 80 on a busy one (2026-12-02); 40 keeps CI's whole run well under 30 minutes, and
+# the fixed 300 of test_freshness.py run too.
 @pytest.mark.slow
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(_case)
 def test_many_random_closures_and_mutation_sequences_are_never_stale(case):
     _run_case(case)
