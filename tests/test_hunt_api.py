@@ -175,7 +175,15 @@ def test_update_in_place_of_a_params_with_an_added_standalone_array():
     ps = tg.Params(model)
     ps.add(x)
     state = tg.setup(optax.sgd(0.5), ps)
+    # A loss reading `x` itself would never see its update (the Params holds the new
+    # array, not the variable): refused, changing nothing (`tg.update_`'s read check).
     grads = tg.gradient(lambda: jnp.sum(model["w"] ** 2) + jnp.sum(x * 3.0), ps)
+    with pytest.raises(TypeError, match=r"parameter '\+1' \(float32\[2\]\) as x, not from"):
+        tg.update_(state, ps, grads)
+    assert ps.named()["+1"] is x
+    close(model["w"], np.ones(3))
+    # Read through the Params, the added array trains.
+    grads = tg.gradient(lambda: jnp.sum(model["w"] ** 2) + jnp.sum(ps.named()["+1"] * 3.0), ps)
     tg.update_(state, ps, grads)
     close(model["w"], np.full(3, 0.0))  # 1 - 0.5 * 2
     close(ps.named()["+1"], np.full(2, -0.5))  # 1 - 0.5 * 3 (was: still 1)
