@@ -76,6 +76,12 @@ def actual_messages(tmp_path):
     with pytest.raises(KeyError) as e:
         grads[model.weight]
     out.append(e.value.args[0])
+    W, b = jnp.ones((2, 3)), jnp.zeros(2)
+    alone = tg.Params([W, b])
+    grads = tg.gradient(lambda: jnp.sum(W @ jnp.ones(3) + b), alone)
+    with pytest.raises(TypeError) as e:
+        tg.update_(tg.setup(optax.sgd(0.1), alone), alone, grads)
+    out.append(str(e.value))
     with pytest.raises(TypeError) as e:
         tg.gradient(lambda m: m(x), model)
     out.append(str(e.value))
