@@ -334,3 +334,20 @@ def test_train_with_params_the_loss_does_not_read_names_the_step_and_keeps_every
         tg.train(lambda x: jnp.sum((W @ x + b) ** 2), ps, [(x,)] * 3, state)
     assert ps[0] is W and ps[1] is b
     assert all(a is c for a, c in zip(jax.tree.leaves(state), before, strict=True))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_update_in_place_with_the_model_given_as_an_argument_is_not_refused(compiled):
+    # Inside tg.jit, an argument is rebuilt for the trace (`m` is not `model` there, as
+    # it is uncompiled), yet each call gives it afresh: nothing stale to refuse.
+    model = {"w": jnp.array([1.0, 2.0])}
+    ps = tg.params(model)
+    state = tg.setup(optax.sgd(0.1), ps)
+
+    def step(m):
+        tg.update_(state, ps, tg.gradient(lambda: jnp.sum(m["w"] ** 2), ps))
+
+    step = tg.jit(step) if compiled else step
+    step(model)
+    step(model)
+    np.testing.assert_allclose(model["w"], 0.8 * 0.8 * np.array([1.0, 2.0]), rtol=1e-6)

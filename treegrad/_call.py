@@ -99,9 +99,13 @@ def _bare(treedef: Any) -> bool:
     while stack:
         td = stack.pop()
         data = td.node_data()
-        if data is not None and td.num_leaves == 0 and not issubclass(data[0], _NOT_BARE):
-            if td.num_nodes > 1 or data[0] not in (dict, list):
-                return True
+        if (
+            data is not None
+            and td.num_leaves == 0
+            and not issubclass(data[0], _NOT_BARE)
+            and (td.num_nodes > 1 or data[0] not in (dict, list))
+        ):
+            return True
         stack.extend(td.children())
     return False
 

@@ -309,7 +309,7 @@ class Grads(Mapping[Any, Any]):
                 out.append(grads[i])
         return out
 
-    def unread(self, changed: dict[int, Any]) -> tuple[str, Any] | None:
+    def unread(self, changed: dict[int, Any], given: frozenset[int]) -> tuple[str, Any] | None:
         """After `tg.update_` rebound parameters inside a Params' containers (`changed`:
         old array's id to new array): a parameter the loss reads only where the update
         did not reach, so that it would keep reading the old array and never train, as
@@ -317,7 +317,9 @@ class Grads(Mapping[Any, Any]):
 
         The Params of Flux's `Params([W, b])` with `W` and `b` globals: Julia's update
         mutates the arrays; jax arrays are immutable, so the update rebinds them in the
-        list the Params holds, which the loss does not read.
+        list the Params holds, which the loss does not read. `given`: the ids of arrays
+        a compiled function being traced was given as arguments (`_programs.LINKED`),
+        which each call gives afresh: never stale.
         """
         for entry, roots in self._readers:
             read = entry.guard.check(*roots)
@@ -327,6 +329,8 @@ class Grads(Mapping[Any, Any]):
             for p in self._params:
                 new = changed.get(id(p))
                 if new is not None and id(p) in where and id(new) not in where:
+                    if id(p) in given:
+                        continue
                     return entry.names[where[id(p)]], p
         return None
 

@@ -36,6 +36,7 @@ from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState, skip_problem
 from ._params import Params
 from ._paths import rebind
+from ._programs import LINKED
 from ._reach import node_types
 from ._tree import (
     describe_leaf,
@@ -542,7 +543,7 @@ def _check_read(
     the rebinding, when the loss reads a parameter only where the update did not reach
     (`Grads.unread`): it would read the old array on every later step, never training,
     and the next gradient would be None with no sign of why."""
-    unread = grads.unread(changed)
+    unread = grads.unread(changed, frozenset().union(*LINKED))
     if unread is None:
         return
     where, old = unread

@@ -138,6 +138,7 @@ def _user(
             # function's identity, with what it read then: not this run's tracers.
             forget_bodies()
             _MADE.append([])
+            LINKED.append(frozenset(id(vals[k]) for k in entry.a_links or () if k >= 0))
             try:
                 if entry.program == CALL:
                     pos, kw = args
@@ -155,6 +156,7 @@ def _user(
             finally:
                 forget_bodies()  # bodies holding this run's tracers
                 made = _MADE.pop()
+                LINKED.pop()
             if made or entry.program != CALL:
                 _check_out(entry.api, out, made, entry.program)
             drew = draws.changed()
@@ -250,6 +252,13 @@ def _fields(nodes: list[G.Node]) -> list[tuple[G.Node, list[tuple[str, Any]]]]:
 # Per user function running in a trace (innermost last): the implicit-mode
 # backward functions `tg.pullback` made during it (`made_implicit_back`).
 _MADE: list[list[Any]] = []
+
+
+# Per user function running in a trace: the ids of the arrays it is given as arguments
+# that it also captures (`Entry.a_links`: one tracer for both). Read through an
+# argument (`step(model)` with `ps = tg.params(model)` captured), such an array is
+# given afresh on each call; `tg.update_`'s read check leaves it alone.
+LINKED: list[frozenset[int]] = []
 
 
 def in_user_function() -> bool:
