@@ -342,6 +342,19 @@ class Params:
         sources = self._sources[1:]
         return sources[0] if len(sources) == 1 else sources
 
+    def _loose(self) -> bool:
+        """Whether a parameter is held on its own: an array given or added by itself, or
+        an item of a list or tuple given (Zygote's `Params([W, b])`). A loss most often
+        reads such an array through a variable of its own, where `tg.update_` cannot
+        rebind it (`_optim._check_read`); the arrays of a model or dict the Params
+        holds are read from it, and that check (about 10 us a step on the benchmark's
+        deep model) is not spent on them."""
+        return any(
+            isinstance(src, jax.Array)
+            or (type(src) in (list, tuple) and any(isinstance(v, jax.Array) for v in src))
+            for src in self._sources[1:]
+        )
+
     def _rebound(self, source: Any) -> None:
         """After `tg.update_` rebound arrays inside `source` (what `.source` gave): keep
         the new arrays added on their own, which live in the list `.source` copied."""
