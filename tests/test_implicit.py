@@ -351,3 +351,26 @@ def test_update_in_place_with_the_model_given_as_an_argument_is_not_refused(comp
     step(model)
     step(model)
     np.testing.assert_allclose(model["w"], 0.8 * 0.8 * np.array([1.0, 2.0]), rtol=1e-6)
+
+
+def test_gradients_summed_over_many_batches_keep_no_batch_alive_but_one():
+    # A Grads keeps the loss it was taken of (for tg.update_'s read check): summed over
+    # batches, one loss of each program is kept, not every batch it closed over.
+    import gc
+    import weakref
+
+    p = {"w": jnp.array([0.5, -1.0])}
+    ps = tg.params(p)
+    refs = []
+
+    def batch_gradient(i):
+        x = jnp.full(2, float(i))
+        refs.append(weakref.ref(x))
+        return tg.gradient(lambda: jnp.sum(p["w"] * x), ps)
+
+    total = batch_gradient(0)
+    for i in range(1, 20):
+        total = total + batch_gradient(i)
+    gc.collect()
+    assert sum(r() is not None for r in refs) <= 1
+    np.testing.assert_allclose(total[p["w"]], np.full(2, sum(range(20))), rtol=1e-6)

@@ -247,7 +247,10 @@ class Grads(Mapping[Any, Any]):
             return NotImplemented
         theirs = self._aligned(other)
         grads = [_combine(a, b, op) for a, b in zip(self._grads, theirs, strict=True)]
-        readers = self._readers + tuple(r for r in other._readers if r not in self._readers)
+        # One reader per program: the same loss over many batches (`sum` of their
+        # gradients) would otherwise keep every batch alive, in the loss it closes over.
+        mine = {id(entry) for entry, _ in self._readers}
+        readers = self._readers + tuple(r for r in other._readers if id(r[0]) not in mine)
         return Grads(self._params, grads, self._paths, readers)
 
     def __add__(self, other: Any) -> Grads:
