@@ -904,3 +904,23 @@ def test_models_without_arrays_get_gradients_of_their_structure(spec, seed):
 @given(spec=empty_spec, seed=seeds)
 def test_models_without_arrays_get_gradients_of_their_structure_many(spec, seed):
     _empty_model_gradients(spec, seed)
+
+
+def test_shared_module_holding_a_python_float_leaf_is_one_object_after_load(tmp_path):
+    """Shrunk from the random models (not derandomized, so found on a later run): a Module
+    held at two places, holding a Python float as a leaf (in a NamedTuple), came back as
+    two objects from tg.load: each place's float loads as a new object, and only
+    identical leaves made the two places one."""
+    shared = Full(jnp.array(1.5), Pair(jnp.array(-2.0), 0.25))
+    model = {"k0": shared, "k1": shared}
+    tg.save(tmp_path / "ckpt", model)
+    like = Full(jnp.zeros(()), Pair(jnp.zeros(()), 0.25))
+    out = tg.load(tmp_path / "ckpt", {"k0": like, "k1": like})
+    assert out["k0"] is out["k1"]
+    assert float(out["k0"].a) == 1.5 and float(out["k0"].b.x) == -2.0 and out["k0"].b.y == 0.25
+    # Places whose floats differ are two objects, each with its own value.
+    model = {"k0": shared, "k1": Full(jnp.array(1.5), Pair(jnp.array(-2.0), 0.75))}
+    tg.save(tmp_path / "ckpt2", model)
+    like2 = {"k0": like, "k1": Full(jnp.zeros(()), Pair(jnp.zeros(()), 0.75))}
+    out = tg.load(tmp_path / "ckpt2", like2)
+    assert out["k0"] is not out["k1"] and out["k1"].b.y == 0.75

@@ -168,13 +168,25 @@ def _rebuild_keeping_shared(like: Any, new: list[Any]) -> Any:
         seen = memo.get(id(node))
         if seen is None:
             memo[id(node)] = (node, mine, built)
-        elif len(seen[1]) == len(mine) and all(a is b for a, b in zip(seen[1], mine, strict=True)):
+        elif len(seen[1]) == len(mine) and all(map(_same_leaf, seen[1], mine)):
             return seen[2]
         return built
 
     result = go(like)
     assert pos == len(new), (pos, len(new))
     return result
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    """Whether two loaded leaves can be one node's: the same array (ties are checked by
+    `match`), or equal Python values, which load as a new object at each place (a
+    Module's float leaf saved once per place it is held). A checkpoint's other leaves
+    are Python and numpy scalars, whose == answers a bool."""
+    if a is b:
+        return True
+    if is_array(a) or is_array(b) or type(a) is not type(b):
+        return False
+    return bool(a == b)
 
 
 def _is_saved_python_scalar(leaf: Any, r: LeafRecord) -> bool:
