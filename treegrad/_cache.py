@@ -22,7 +22,7 @@ import jax
 
 from . import _guard as G
 from . import _optguard
-from ._call import _BARE, _GROUPS, Call, has_bare_nodes, root_keys, uniq_in_groups
+from ._call import _BARE, _GROUPS, Call, root_keys, uniq_in_groups
 from ._draws import Draws
 from ._engine import NUMPY_VALUES, Entry, Refit, values_mode
 from ._fasttree import Shape
@@ -280,8 +280,7 @@ def _remember(recent_key: Any, call: Call, bucket: list[Entry]) -> None:
         _RECENT.clear()
     # An emptied bucket is dropped from the cache; the one held here then stays
     # empty, so the fast path misses and the slow path files the new one.
-    bare = has_bare_nodes(call.a_def)
-    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared, bare)
+    _RECENT[recent_key] = (shape, call.a_slots, bucket, call.groups, call.a_shared, call.a_bare)
 
 
 def _say(message: str) -> None:

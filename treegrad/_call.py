@@ -41,7 +41,17 @@ def root_key(f: Any) -> Any:
 class Call:
     """The roots (the function, and for `tg.jit` callable arguments) and the flat arguments."""
 
-    __slots__ = ("a_def", "a_shared", "a_slots", "a_statics", "a_uniq", "groups", "key", "roots")
+    __slots__ = (
+        "a_bare",
+        "a_def",
+        "a_shared",
+        "a_slots",
+        "a_statics",
+        "a_uniq",
+        "groups",
+        "key",
+        "roots",
+    )
 
     def __init__(self, program: str, options: Any, roots: tuple[Any, ...], args: Any):
         self.roots = roots
@@ -60,7 +70,8 @@ class Call:
         # A sub-model at two places holds its arrays at both, so arguments without
         # repeated arrays share one only where it holds none (`bare`): then which (the
         # trace shares it again).
-        share = self.a_slots is not None or has_bare_nodes(a_def)
+        self.a_bare = has_bare_nodes(a_def)
+        share = self.a_slots is not None or self.a_bare
         self.a_shared = shared_nodes(args) if share else None
         typed = None if self.a_statics is None else _static_key(self.a_statics)
         self.key = (

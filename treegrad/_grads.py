@@ -312,11 +312,11 @@ class Grads(Mapping[Any, Any]):
                 out.append(grads[i])
         return out
 
-    def unread(self, changed: dict[int, Any], given: frozenset[int]) -> tuple[str, Any] | None:
+    def unread(self, changed: dict[int, Any], given: frozenset[int]) -> tuple[str, str, Any] | None:
         """After `tg.update_` rebound parameters inside a Params' containers (`changed`:
         old array's id to new array): a parameter the loss reads only where the update
         did not reach, so that it would keep reading the old array and never train, as
-        (where the loss reads it, the old array); None when there is none.
+        (its name, where the loss reads it, the old array); None when there is none.
 
         The Params of Flux's `Params([W, b])` with `W` and `b` globals: Julia's update
         mutates the arrays; jax arrays are immutable, so the update rebinds them in the
@@ -331,12 +331,12 @@ class Grads(Mapping[Any, Any]):
             if set(map(id, read)).issuperset(map(id, changed.values())):
                 continue  # it reads every new array: the usual case, in C
             where = {id(a): k for k, a in enumerate(read)}
-            for p in self._params:
+            for name, p in zip(self._names_list, self._params, strict=True):
                 new = changed.get(id(p))
-                if new is not None and id(p) in where and id(new) not in where:
-                    if id(p) in given:
-                        continue
-                    return entry.names[where[id(p)]], p
+                k = where.get(id(p))
+                stale = k is not None and id(new) not in where and id(p) not in given
+                if new is not None and stale:
+                    return name, entry.names[k], p
         return None
 
     def to_tree(self, model: Model) -> GradientTree:

@@ -546,12 +546,11 @@ def _check_read(
     unread = grads.unread(changed, frozenset().union(*LINKED))
     if unread is None:
         return
-    where, old = unread
+    name, where, old = unread
     new_leaves = [changed.get(id(leaf), leaf) for leaf in m_leaves]
     back = {id(changed[id(leaf)]): leaf for leaf in m_leaves if id(leaf) in changed}
     rebind(src, back, (new_leaves, treedef))
     ps._rebound(src)
-    name = next((n for n, p in ps.named().items() if p is old), "")
     # A standalone array's name is its position in the Params: say so.
     label = f"parameter {name}" if name.isdigit() else f"parameter {name!r}"
     raise UnreadParameterError(

@@ -42,6 +42,7 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             # jax addresses a NamedTuple's children by GetAttrKey, but it is a tuple:
             # immutable, so rebuilt like one (setattr raised "can't set attribute" from
             # tg.params converting a numpy leaf in it, and from re-tying its outputs).
+            # (isinstance narrowed it to `tuple`, which has no `_replace`: a NamedTuple's.)
             return node._replace(**{key.name: value})  # type: ignore[attr-defined]
         try:
             setattr(node, key.name, value)
@@ -58,6 +59,7 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             # contents of a copy with the new child, and stays the same object.
             new = {id(leaf) for leaf in jax.tree_util.tree_leaves(value)}
             _take_contents(node, _with_child(node, key, value), new)
+            _check_landed(node, new)  # the broad except above must not hide a no-op
         return node
     if isinstance(key, DictKey):
         node[key.key] = value
@@ -259,13 +261,17 @@ def _become(node: Any, changed: dict[int, Any], found: set[int]) -> None:
         # a silent no-op (a trainable array in a Partial never changed). Its
         # __setstate__ replaces func, args and keywords in place.
         state: Any = copy.__reduce__()[2]
+        # (typeshed's functools.partial declares __setstate__ only through __reduce__.)
         setstate: Any = node.__setstate__  # type: ignore[attr-defined]
         setstate(state)
     else:
         _take_contents(node, copy, mine)
-    now = {id(leaf) for leaf in jax.tree_util.tree_leaves(node)}
-    if not mine <= now:
-        # Never a silent no-op: a leaf that did not land would keep its old value.
+    _check_landed(node, mine)
+
+
+def _check_landed(node: Any, new: set[int]) -> None:
+    """Never a silent no-op: a leaf that did not land would keep its old value."""
+    if not new <= {id(leaf) for leaf in jax.tree_util.tree_leaves(node)}:
         raise TypeError(
             f"cannot update a {type(node).__name__} in place: its leaves are not held in "
             "attributes treegrad can rebind. Hold parameters in a tg.Module, a dict or a "
