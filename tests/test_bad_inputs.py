@@ -185,6 +185,17 @@ def _next_batch_inside_a_loss(c):
         tg.gradient(lambda x: jnp.sum(x * next(batches)), c.x)
 
 
+def _update_params_of_variables(c):
+    W, b = c.model.layers[0].weight, c.model.layers[0].bias
+    ps = tg.Params([W, b])  # Flux's Params([W, b]): the loss reads the variables
+    grads = tg.gradient(lambda: jnp.sum(c.x @ W.T + b), ps)
+    tg.update_(tg.setup(optax.sgd(0.1), ps), ps, grads)
+
+
+def _dense_given_a_number(c):
+    return nn.Dense(4, 2, key=jax.random.key(0))(1.0)
+
+
 def row(name, call, exc, words, marks=()):
     return pytest.param(call, exc, words, id=name, marks=marks)
 
@@ -898,6 +909,25 @@ ROWS = [
         ),
         tg.NoGradientError,
         r"tg\.train: at epoch 0, step 0, the loss does not depend on the model it is given",
+    ),
+    row(
+        "update-in-place-params-of-variables-the-loss-reads",
+        _update_params_of_variables,
+        TypeError,
+        r"tg\.update_: the loss reads the Params' parameter 0 \(float32\[\d+×\d+\]\) as W, not "
+        r"from the containers the Params holds.*Nothing was changed",
+    ),
+    row(
+        "grads-plus-a-number",
+        lambda c: 1 + c.grads,
+        TypeError,
+        r"unsupported operand type\(s\) for \+: 'int' and 'Grads'",
+    ),
+    row(
+        "dense-given-a-python-number",
+        _dense_given_a_number,
+        ValueError,
+        r"expected input with 4 features on axis -1, got a float, not an array",
     ),
     row(
         "datasets-batches-size-zero",
