@@ -448,7 +448,9 @@ def test_adjust_of_a_rule_without_hyperparameters_says_how_to_build_one():
 def test_good_adjust_after_a_failed_one_equals_optax():
     model = make_model()
     state = tg.setup(INJ, model)
-    with pytest.raises(TypeError):
+    with pytest.raises(
+        TypeError, match=r"tg\.adjust_: unknown hyperparameter\(s\) \['nope'\]; this rule has \["
+    ):
         tg.adjust_(state, learning_rate=0.5, nope=1)
     tg.adjust_(state, learning_rate=0.05)
     tg.update_(state, model, tg.gradient(loss, model)[0])
