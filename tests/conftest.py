@@ -47,7 +47,7 @@ def few_user_modules(request, monkeypatch):
     every test module imported, every example and every module a test made (19-54 s
     each for three tests in a whole run on a busy 2-core host, 1 s alone). They are
     taken out of it for the test, as a script has few: all but the test's own module."""
-    from treegrad._guard import is_library_module
+    from treegrad._kinds import is_library_module
 
     keep = {"__main__", request.module.__name__}
     for name in [n for n in sys.modules if n not in keep and not is_library_module(n)]:

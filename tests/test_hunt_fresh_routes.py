@@ -220,7 +220,7 @@ def test_an_installed_namespace_package_is_library_code():
     # 3-d axes through it (20 s of the default test run).
     import mpl_toolkits
 
-    from treegrad._guard import is_library_module
+    from treegrad._kinds import is_library_module
 
     assert getattr(mpl_toolkits, "__file__", None) is None
     assert is_library_module("mpl_toolkits")

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from . import _guard as G
+from . import _kinds as K
 from . import _optguard
 from ._call import _BARE, _GROUPS, Call, root_keys, uniq_in_groups
 from ._draws import Draws
@@ -474,7 +474,7 @@ def clear_cache() -> None:
     _RECENT.clear()
     _SHAPES.clear()
     _GROUPS.clear()
-    G.clear()
+    K.clear()
     _optguard.clear()
     for memo in MEMOS:
         memo.clear()

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import _guard as G
+from . import _kinds as K
 from ._outputs import DYN, shared_nodes, uniq
 from ._programs import CALL
 from ._tree import value_key
@@ -31,7 +31,7 @@ def root_key(f: Any) -> Any:
         return f.__code__
     if t is types.MethodType:
         return ("method", root_key(f.__func__), type(f.__self__))
-    if t is G._JITTED_TYPE:
+    if t is K.JITTED_TYPE:
         return ("jit", root_key(getattr(f, "__wrapped__", None)))
     if isinstance(f, functools.partial):
         return ("partial", root_key(f.func))
@@ -57,14 +57,14 @@ class Call:
         self.roots = roots
         leaves, a_def = jax.tree_util.tree_flatten(args)
         self.a_def: Any = a_def  # jaxlib's stub lacks PyTreeDef's children and num_leaves
-        if G._ARRAY_TYPES.issuperset(map(type, leaves)) or all(map(G.is_array, leaves)):
+        if K.ARRAY_TYPES.issuperset(map(type, leaves)) or all(map(K.is_array, leaves)):
             arrays = leaves
             self.a_statics: Any = None
         else:
-            arrays = [x for x in leaves if G.is_array(x)]
+            arrays = [x for x in leaves if K.is_array(x)]
             # The values themselves, which the traced function receives; the key
             # holds a hashable stand-in for an unhashable one (a set, a dataclass).
-            self.a_statics = tuple(DYN if G.is_array(x) else x for x in leaves)
+            self.a_statics = tuple(DYN if K.is_array(x) else x for x in leaves)
         self.groups = _groups(program, a_def, self.a_statics)
         self.a_uniq, self.a_slots = uniq_in_groups(arrays, self.groups)
         # A sub-model at two places holds its arrays at both, so arguments without

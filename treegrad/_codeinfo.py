@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any
 
-from ._guard import _is_library
+from ._kinds import is_library
 
 
 class _CodeInfo:
@@ -368,7 +368,7 @@ def every_attribute(t: type) -> bool:
     """Whether every attribute of a `t` counts as read: a library class's (a
     `SimpleNamespace`, a `threading.local`) or one deriving from one, whose code
     (not walked) may read any of them."""
-    return any(_is_library(k) for k in t.__mro__ if k not in _PLAIN_BASES)
+    return any(is_library(k) for k in t.__mro__ if k not in _PLAIN_BASES)
 
 
 def clear() -> None:

@@ -42,6 +42,7 @@ import jax
 
 from . import _guard as G
 from . import _jaxpr
+from . import _kinds as K
 from ._call import Call, dtypes, links, root_keys
 from ._fasttree import TAKE, Shape
 from ._guardcode import Guard, WriteBack
@@ -626,7 +627,7 @@ def _walk(call: Call, params: Sequence[Any] | None = None) -> tuple[Walk, list[A
         walk = Walk(as_values=as_values, keep=keep)
         roots = [walk.root(r) for r in call.roots]
         for cls in node_types(call.a_def):
-            if not G._is_library(cls):
+            if not K.is_library(cls):
                 walk._absolute(cls)
         for s in call.a_statics or ():
             walk.fixed(s)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from ._codegen import CodeGen
-from ._guard import _ARRAY_TYPES, is_array
+from ._kinds import ARRAY_TYPES, is_array
 from ._module import _AUX_SLOT, Module, _Static
 
 # Nodes whose children are one tuple attribute and whose aux data is another
@@ -82,12 +82,12 @@ class Shape:
         self.unflatten: Callable[[Sequence[Any]], Any] = self._first_unflatten
 
     def _first_flatten(self, tree: Any) -> list[Any] | None:
-        gen = _Gen(_ARRAY_TYPES)
+        gen = _Gen(ARRAY_TYPES)
         self.flatten = gen._define(gen.flatten_source(self.treedef), "<treegrad shape>", "flatten")
         return self.flatten(tree)
 
     def _first_unflatten(self, values: Sequence[Any]) -> Any:
-        gen = _Gen(_ARRAY_TYPES)
+        gen = _Gen(ARRAY_TYPES)
         src = gen.unflatten_source(self.treedef, self.spec)
         self.unflatten = gen._define(src, "<treegrad shape>", "unflatten")
         return self.unflatten(values)

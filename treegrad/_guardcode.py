@@ -19,7 +19,6 @@ import jax
 from ._codegen import CodeGen
 from ._fasttree import Shape
 from ._guard import (
-    _ARRAY_TYPES,
     MISSING,
     Alias,
     Array,
@@ -44,9 +43,9 @@ from ._guard import (
     Unchecked,
     children,
     deref,
-    is_array,
     referent,
 )
+from ._kinds import ARRAY_TYPES, is_array
 from ._tree import is_float_like
 
 
@@ -61,7 +60,7 @@ class Guard(CodeGen):
     def __init__(self, roots: list[Node], absolute: list[Node]):
         super().__init__(
             {
-                "ARR": _ARRAY_TYPES,
+                "ARR": ARRAY_TYPES,
                 "isarr": is_array,
                 "MISSING": MISSING,
                 "FunctionType": types.FunctionType,

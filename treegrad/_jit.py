@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _cache as C
 from . import _engine as E
-from . import _guard as G
+from . import _kinds as K
 from . import _programs as P
 from ._reach import is_plain_object
 from ._shard import by_prefix
@@ -36,7 +36,7 @@ _FUNCTION_TYPES = (
     types.FunctionType,
     types.MethodType,
     functools.partial,
-    G._JITTED_TYPE,
+    K.JITTED_TYPE,
     type,
     types.ModuleType,
 )
@@ -376,7 +376,7 @@ def _signature(fn: Any) -> inspect.Signature | None:
 
 
 # A tg.jit helper called by a function being traced is inlined, like a jax.jit one.
-G.JITTED_TYPES.add(Jitted)
+K.JITTED_TYPES.add(Jitted)
 
 
 def _hashed(value: Any, what: str) -> Any:

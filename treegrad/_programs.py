@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _guard as G
 from . import _jaxpr
+from . import _kinds as K
 from ._draws import Draws
 from ._grads import Grads
 from ._jaxpr import forget_bodies, is_tracer
@@ -425,7 +426,7 @@ def _user_frame(e: BaseException) -> str:
     while tb is not None:
         frame = tb.tb_frame
         name = frame.f_globals.get("__name__")
-        if not G.is_library_module(name) and "/treegrad/" not in frame.f_code.co_filename:
+        if not K.is_library_module(name) and "/treegrad/" not in frame.f_code.co_filename:
             found = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{tb.tb_lineno})"
         tb = tb.tb_next
     return found

@@ -15,7 +15,7 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ._guard import _is_library, _is_pytree_node, has_instance_dict, holds_user_values, is_array
+from ._kinds import has_instance_dict, holds_user_values, is_array, is_library, is_pytree_node
 
 
 def describe(fn: Any) -> str:
@@ -53,7 +53,7 @@ def _user_callable(fn: Any) -> bool:
     return (
         callable(fn)
         and not isinstance(fn, (type, types.ModuleType, types.BuiltinFunctionType))
-        and not _is_library(type(fn))
+        and not is_library(type(fn))
     )
 
 
@@ -63,10 +63,10 @@ def is_plain_object(value: Any) -> bool:
     t = type(value)
     return (
         not issubclass(t, (type, types.ModuleType))
-        and (not _is_library(t) or holds_user_values(t))
+        and (not is_library(t) or holds_user_values(t))
         and (has_instance_dict(value) or bool(slot_names(t)))
         and not is_array(value)
-        and not _is_pytree_node(value)
+        and not is_pytree_node(value)
     )
 
 
@@ -108,7 +108,7 @@ def user_functions(rules: Sequence[Any]) -> list[Any]:
             continue
         seen.add(id(x))
         if type(x) is types.FunctionType:
-            if not _is_library(x):
+            if not is_library(x):
                 found.append(x)  # walked by the guard, with what it reads
                 continue
             for cell in x.__closure__ or ():
@@ -125,7 +125,7 @@ def user_functions(rules: Sequence[Any]) -> list[Any]:
             todo.extend(x.values())
         elif isinstance(x, (type, types.ModuleType)) or x is None:
             continue
-        elif not _is_library(type(x)):
+        elif not is_library(type(x)):
             if _user_callable(x):
                 found.append(x)  # a callable object of the user's: guarded with its state
         else:

@@ -42,11 +42,10 @@ from ._guard import (
     Unchecked,
     children,
     deref,
-    has_instance_dict,
     has_places,
-    is_array,
 )
 from ._jaxpr import is_tracer
+from ._kinds import has_instance_dict, is_array
 from ._paths import IN_PLACE
 from ._swap import Unsettled, _holds_tracer, _key_paths, _leaves
 

@@ -40,13 +40,11 @@ from ._guard import (
     Seq,
     Snap,
     Tree,
-    _is_pytree_node,
     deref,
-    has_instance_dict,
-    is_array,
     same_array,
 )
 from ._jaxpr import is_tracer
+from ._kinds import has_instance_dict, is_array, is_pytree_node
 from ._paths import IN_PLACE, rebind, rebind_value
 from ._reach import slot_names
 
@@ -519,7 +517,7 @@ def _containers(v: Any) -> list[tuple[Any, Any]]:
         elif isinstance(x, dict):
             out.append((x, dict(x)))
             items = list(x.values())
-        elif has_instance_dict(x) and _is_pytree_node(x):
+        elif has_instance_dict(x) and is_pytree_node(x):
             d = vars(x)
             out.append((d, dict(d)))
             items = list(d.values())

@@ -28,8 +28,6 @@ import numpy as np
 from ._codeinfo import PROTOCOL_NAMES, code_info, every_attribute, reads_any_attribute
 from ._draws import consumed, global_states
 from ._guard import (
-    _CONST_TYPES,
-    JITTED_TYPES,
     MISSING,
     Alias,
     Array,
@@ -53,16 +51,20 @@ from ._guard import (
     Tree,
     Unchecked,
     _arrays,
-    _code_of,
-    _is_library,
-    _is_pytree_node,
     deref,
-    has_instance_dict,
     holder_kind,
+    snapshot,
+)
+from ._kinds import (
+    CONST_TYPES,
+    JITTED_TYPES,
+    code_of,
+    has_instance_dict,
     holds_user_values,
     is_array,
+    is_library,
     is_library_module,
-    snapshot,
+    is_pytree_node,
 )
 from ._reach import _user_callable, describe, node_types, slot_names, static_callables
 
@@ -153,7 +155,7 @@ class Walk:
         callable of the user's (a callable object, a bound method, a partial): what
         it reads, and its own state, are checked like a closure's."""
         if type(fn) is types.FunctionType:
-            if not _is_library(fn):
+            if not is_library(fn):
                 self.absolute.setdefault(id(fn), fn)
         elif _user_callable(fn):
             self.absolute.setdefault(id(fn), fn)
@@ -170,7 +172,7 @@ class Walk:
         callbacks, a read-only view of helpers), a container or an object. Each is
         walked as a root of its own, so what it holds and reads is checked too."""
         for key, x in items.items():
-            if type(x) in _CONST_TYPES or is_array(x) or isinstance(x, np.generic):
+            if type(x) in CONST_TYPES or is_array(x) or isinstance(x, np.generic):
                 continue
             if type(x) is types.FunctionType:
                 self.fixed(x)
@@ -207,7 +209,7 @@ class Walk:
                 done[key] = set()
                 if isinstance(obj, type):
                     for name, value in list(vars(obj).items()):
-                        if name not in _SKIP_CLASS_ATTRS and _code_of(value) is not None:
+                        if name not in _SKIP_CLASS_ATTRS and code_of(value) is not None:
                             attrs.attrs.append((name, self._attr(obj, name, value)))
                             done[key].add(name)
                 elif type(vars(obj).get("__getattr__")) is types.FunctionType:
@@ -266,7 +268,7 @@ class Walk:
         if name in self.attr_names:
             return True
         if isinstance(obj, type):
-            user = not _is_library(obj)
+            user = not is_library(obj)
         else:
             user = type(obj) is types.ModuleType and not is_library_module(obj.__name__)
         return user and (self.dynamic or name in self.read_names)
@@ -310,7 +312,7 @@ class Walk:
         # From the object's own dict: a module's __getattr__ may answer any name its way.
         prefix = obj.__qualname__ if isinstance(obj, type) else vars(obj).get("__name__", "?")
         path = f"{prefix}.{name}"
-        fn = _code_of(value)
+        fn = code_of(value)
         if fn is not None and fn is not value:
             attr = "fget" if isinstance(value, property) else "__func__"
             return Descr(type(value), attr, self.node(fn, path))
@@ -339,14 +341,14 @@ class Walk:
         if isinstance(obj, type):
             # The class's MRO and its metaclass's: `C.x` may be found on either.
             for klass in (*obj.__mro__, *inspect.getmro(type(obj))):
-                if klass is not object and klass is not type and not _is_library(klass):
+                if klass is not object and klass is not type and not is_library(klass):
                     self.absolute.setdefault(id(klass), klass)
         else:
             self.absolute.setdefault(id(obj), obj)
 
     def node(self, value: Any, path: str) -> Node:
         t = type(value)
-        if t in _CONST_TYPES:
+        if t in CONST_TYPES:
             return Const(value)
         kind = holder_kind(t)
         if kind is None and is_array(value):
@@ -355,7 +357,7 @@ class Walk:
         if prior is not None:
             return Alias(prior)
         # A random state or a library iterator, or its bound method (`rng.normal`).
-        source = consumed(value, _is_library)
+        source = consumed(value, is_library)
         if source is not None:
             self.consumed.append(source)
         if kind is not None:
@@ -383,7 +385,7 @@ class Walk:
             )
             return mapping
         if t is types.FunctionType:
-            if not _is_library(value):
+            if not is_library(value):
                 return self._function(value, path)
             # A library wrapper of a user function (jax.vmap, jax.grad, a functools.wraps
             # decorator): the wrapper by identity, and what the wrapped function reads
@@ -405,7 +407,7 @@ class Walk:
             return part
         if t in JITTED_TYPES:
             inner = getattr(value, "__wrapped__", None)
-            if type(inner) is types.FunctionType and not _is_library(inner):
+            if type(inner) is types.FunctionType and not is_library(inner):
                 jitted = self._memo(value, Jitted(Unchecked(), t))
                 jitted.inner = self._function(inner, path)
                 return jitted
@@ -457,7 +459,7 @@ class Walk:
                 self._library(value)
             return Same(value)
         if isinstance(value, type):
-            if not _is_library(value):
+            if not is_library(value):
                 self._absolute(value)
             else:
                 self._library(value)
@@ -469,7 +471,7 @@ class Walk:
                 # Attributes set on the member (`Mode.TRAIN.scale = 2.0`), by the names read.
                 return self._object(value, path)
             return Same(value)
-        if _is_pytree_node(value):
+        if is_pytree_node(value):
             try:
                 return self._tree(value, path)
             except (TypeError, ValueError):  # this value cannot flatten (unsortable keys)
@@ -496,7 +498,7 @@ class Walk:
         if isinstance(value, threading.local):
             # Its instance dict is the calling thread's: read afresh on each call.
             return self._object(value, path)
-        if _is_library(t) and not holds_user_values(t):
+        if is_library(t) and not holds_user_values(t):
             self._library(value)
             self._reads_by_name(value)
             if callable(value):
@@ -589,14 +591,14 @@ class Walk:
             for k, x in zip(keys, leaves, strict=True)
         )
         for cls in node_types(treedef):
-            if not _is_library(cls):
+            if not is_library(cls):
                 self._absolute(cls)
         for fn in static_callables(treedef):  # a captured Module's activation
             self.fixed(fn)
         return node
 
     def _leaf(self, x: Any) -> Node:
-        return Const(x) if type(x) in _CONST_TYPES else Same(x)
+        return Const(x) if type(x) in CONST_TYPES else Same(x)
 
     def _object(self, value: Any, path: str) -> Node:
         """A user object: its attributes are walked in `finish`, those the walked code
@@ -706,7 +708,7 @@ class Walk:
 
     def _note_keys(self, keys: Any) -> None:
         for k in list(keys):
-            if type(k) not in _CONST_TYPES:
+            if type(k) not in CONST_TYPES:
                 self.keyed[id(k)] = k
 
 
