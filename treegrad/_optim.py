@@ -520,8 +520,13 @@ def _update_in_place(state: Any, model: Any, grads: Any) -> None:
         rebind(src, changed, (m_leaves, config.treedef))
         if isinstance(model, Params):
             model._rebound(src)
-            if isinstance(grads, Grads) and grads._readers and model._loose():
+            if (
+                isinstance(grads, Grads)
+                and grads._readers
+                and (model._loose() or model._unproven())
+            ):
                 _check_read(grads, changed, model, src, m_leaves, config.treedef)
+                model._proven = True  # read from its containers: `Params._unproven`
     if config is not state._config and (_is_tracer_in(new_params) or _is_tracer_in(leaves)):
         # Inside a compiled step, after an edit of the model's static data: the state
         # keeps its configuration (the same arrays and places; only the model's static

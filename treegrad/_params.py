@@ -130,7 +130,7 @@ class Params:
         (1, True)
     """
 
-    __slots__ = ("_cache", "_sources")
+    __slots__ = ("_cache", "_proven", "_sources")
     __hash__ = None  # type: ignore[assignment]  # mutable, and equal by contents
 
     def __init__(self, xs: Model = ()):
@@ -147,6 +147,8 @@ class Params:
         # same as with ids; a removed array still in the model is one program input.)
         self._sources: list[Any] = [[]]
         self._cache: dict[int, _Reading] = {}
+        # Whether `tg.update_` has seen the loss read this Params' containers (`_unproven`).
+        self._proven = False
         if isinstance(xs, Params):
             self._sources = [list(xs._removed), *xs._sources[1:]]
         elif isinstance(xs, (list, tuple)) and any(isinstance(x, Params) for x in xs):
@@ -185,6 +187,7 @@ class Params:
             self._sources[1:] = [*self._sources[1:], *x._sources[1:]]
             self._sources[0] = kept
             self._cache.clear()
+            self._proven = False  # its containers: not yet seen read by the loss
             return
         if isinstance(x, jax.Array) and any(r is x for r in self._removed):
             held = any(
@@ -199,6 +202,7 @@ class Params:
                 return
         self._sources.append(_checked_source(x, api))
         self._cache.clear()
+        self._proven = False  # a new container: not yet seen read by the loss
         if self._removed:
             back = {id(a) for a in self._read_source(len(self._sources) - 1)[0]}
             self._sources[0] = [r for r in self._removed if id(r) not in back]
@@ -354,6 +358,21 @@ class Params:
             or (type(src) in (list, tuple) and any(isinstance(v, jax.Array) for v in src))
             for src in self._sources[1:]
         )
+
+    def _unproven(self) -> bool:
+        """Whether a source is a plain dict, list or tuple that `tg.update_` has not yet
+        seen the loss read (`_proven`). `tg.Params({"W": W, "b": b})` (or
+        `ps.add({"t": t})`, `tg.Params([[W, b]])`) over arrays the loss reads as
+        variables of their own was not checked at all (not `_loose`): the update rebound
+        them only in that container and they never trained, silently where another
+        parameter kept its gradient. The loss reads the same places on every step, so
+        one check (the first update) finds it; a model's path pays nothing after."""
+        if self._proven:
+            return False
+        plain = any(type(src) in (dict, list, tuple) for src in self._sources[1:])
+        if not plain:
+            self._proven = True  # a Module or other model: nothing to check, ever
+        return plain
 
     def _rebound(self, source: Any) -> None:
         """After `tg.update_` rebound arrays inside `source` (what `.source` gave): keep
