@@ -569,6 +569,36 @@ def test_locals_unpacked_from_the_params_each_step_train_like_optax(compiled):
         _close(ps.arrays(), want[k])
 
 
+def test_locals_unpacked_each_step_are_refused_with_the_workaround_that_trains():
+    # Until the check can tell a per-step local from a variable that outlives the step
+    # (the strict xfail above), the refusal must name the workaround, and the
+    # workaround must train as optax does.
+    W, b = _arrays()
+    ps = tg.Params([W, b])
+    rule = optax.sgd(0.1)
+    state = tg.setup(rule, ps)
+
+    def step(x):
+        W, b = ps
+        tg.update_(state, ps, tg.gradient(lambda: _f(W, b, x), ps))
+
+    with pytest.raises(
+        _optim.UnreadParameterError,
+        match=r"parameter 0 \(float32\[2×3\]\) as W, .*A local unpacked from the Params "
+        r"at each step \(W, b = ps\) reads the same way: read ps\[0\] in the loss instead\.",
+    ):
+        step(X)
+    assert ps[0] is W and ps[1] is b  # nothing changed
+
+    def fixed(x):
+        tg.update_(state, ps, tg.gradient(lambda: _f(ps[0], ps[1], x), ps))
+
+    want = _optax_ref(rule, _f, (W, b), 2)
+    for k in range(2):
+        fixed(X)
+        _close(ps.arrays(), want[k])
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="false positive uncompiled only: step(*ps, x) with the loss closing over the "

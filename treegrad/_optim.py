@@ -564,7 +564,9 @@ def _check_read(
         "only inside the Params: the loss would keep reading the old array and never train "
         "(jax arrays are immutable; Flux's update! mutates them). Nothing was changed. Build "
         "the Params from what the loss reads: a model or dict the loss reads the parameter "
-        "from (ps = tg.params(model), or p = {'W': W} read as p['W'] in the loss)."
+        "from (ps = tg.params(model), or p = {'W': W} read as p['W'] in the loss). A local "
+        "unpacked from the Params at each step (W, b = ps) reads the same way: read "
+        "ps[0] in the loss instead."
     )
 
 
