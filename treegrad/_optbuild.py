@@ -28,7 +28,14 @@ from ._layout import place_state
 from ._optstate import _Config, _Part
 from ._optstatemap import _statemap
 from ._params import trainable_leaves_with_path
-from ._tree import first_difference, functor, is_differentiable, unique_by_id
+from ._tree import (
+    describe_leaf,
+    first_difference,
+    functor,
+    is_differentiable,
+    path_str,
+    unique_by_id,
+)
 
 
 def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any], scope: str):
@@ -45,7 +52,7 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
             masked.append(None)
     tree = treedef.unflatten(masked)
     param_def = jax.tree_util.tree_structure(tree)
-    state = _steady_dtypes(rule, rule.init(tree), tree)
+    state = _steady_dtypes(rule, _init(rule, tree, treedef, leaves, masked), tree)
     _refuse_lookahead(state)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
     statemap = _statemap(rule, state, param_def, tree)
@@ -53,6 +60,64 @@ def new_part(rule: Any, treedef: Any, slots: Sequence[int], leaves: Sequence[Any
     p_leaves = [x for x in masked if x is not None]
     owners = [p_leaves[local] if local >= 0 else None for local in statemap]
     return part, place_state(state_leaves, owners, p_leaves)
+
+
+def _init(rule: Any, tree: Any, treedef: Any, leaves: Sequence[Any], masked: list[Any]) -> Any:
+    """`rule.init(tree)`, saying why when it fails on the `None` of the trainable tree.
+
+    Most optax rules skip `None` in a parameter tree; a few (optax.contrib.galore) read
+    every leaf as an array and fail with an AttributeError from inside optax that names
+    neither treegrad's placeholders nor the model place.
+    """
+    from ._optview import rule_name  # not at the top: _optview imports this module
+
+    try:
+        return rule.init(tree)
+    except Exception as e:
+        called = _callable_tree(rule)
+        if called is not None:
+            # optax.multi_transform calls its labels when they are callable, and a
+            # model-shaped labels tree built from a Module (jax.tree.map(f, model)) is
+            # callable: optax ran the model on the parameters, failing far from the cause.
+            raise TypeError(
+                f"tg.setup: the optax rule {rule_name(rule)} failed to initialise "
+                f"({type(e).__name__}: {e}). It holds a {type(called).__name__}, a pytree that "
+                "is callable (a Module with __call__), which optax takes for a function of "
+                "the parameters and calls (optax.multi_transform's param_labels). Pass the "
+                "labels tree through a function: param_labels=lambda _: labels."
+            ) from e
+        holes = [p for p, x in enumerate(masked) if x is None]
+        if not (isinstance(e, (AttributeError, TypeError, IndexError)) and holes) or (
+            "NoneType" not in str(e)
+        ):  # another failure: optax's own message
+            raise
+
+        flat = jax.tree_util.tree_flatten_with_path(treedef.unflatten(list(leaves)))[0]
+        where = path_str(flat[holes[0]][0]) or "<root>"
+        raise TypeError(
+            f"tg.setup: the optax rule {rule_name(rule)} failed to initialise "
+            f"({type(e).__name__}: {e}). It is given the trainable tree, the model with None "
+            f"in place of each array it does not train (first at '{where}': "
+            f"{describe_leaf(leaves[holes[0]])}, {_why_none(leaves[holes[0]], masked, holes[0])}), "
+            "and this rule does not accept None in a parameter tree. Give it a sub-model "
+            "whose arrays are all trained (state.sub = tg.setup(rule, model.sub)), or use "
+            "another rule."
+        ) from e
+
+
+def _callable_tree(rule: Any) -> Any:
+    """A callable pytree (a Module) the rule holds, or None."""
+    from ._reach import user_functions
+
+    return next((x for x in user_functions([rule]) if not jax.tree_util.all_leaves([x])), None)
+
+
+def _why_none(leaf: Any, masked: list[Any], p: int) -> str:
+    if is_differentiable(leaf) and any(x is leaf for x in masked[:p]):
+        return "the second place of a tied array"
+    if is_differentiable(leaf):
+        return "not trained (outside __trainable__ or removed from the Params)"
+    return "not floating-point"
 
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)

@@ -57,6 +57,15 @@ def _user_callable(fn: Any) -> bool:
     )
 
 
+def _of_user(fn: Any) -> bool:
+    """Whether a bound method or partial runs the user's code (not only a library's)."""
+    while isinstance(fn, (types.MethodType, functools.partial)):
+        fn = fn.__func__ if isinstance(fn, types.MethodType) else fn.func
+    if type(fn) is types.FunctionType:
+        return not is_library(fn)
+    return _user_callable(fn)
+
+
 def is_plain_object(value: Any) -> bool:
     """An instance of a user's class (or a standard-library value holder) that is no
     pytree: jax would take it for one leaf; the walk reads it attribute by attribute."""
@@ -115,6 +124,16 @@ def user_functions(rules: Sequence[Any]) -> list[Any]:
                 with contextlib.suppress(ValueError):  # an empty cell
                     todo.append(cell.cell_contents)
             todo.extend(x.__defaults__ or ())
+        elif isinstance(x, (types.MethodType, functools.partial)) and _of_user(x):
+            # Guarded whole: a bound method with the attributes of `self` it reads, a
+            # partial with its arguments. The function alone reads them as parameters,
+            # which no guard of the function sees: `optax.sgd(sched.rate)` after
+            # `sched.lr = ...`, or `partial(f, cfg=cfg)` after `cfg["lr"] = ...`, was stale.
+            found.append(x)
+        elif isinstance(x, types.MethodType):
+            # A library's bound method (`MultiSteps.gradient_transformation()` holds
+            # `self.update`): what its object holds (the user's `every_k_schedule`).
+            todo.append(x.__self__)
         elif isinstance(x, functools.partial):
             todo.append(x.func)
             todo.extend(x.args)
