@@ -27,7 +27,7 @@ from ._layout import constrain
 from ._optstate import _Config
 from ._optstatemap import MIXED, RAVELED
 from ._optview import rule_name
-from ._tree import describe_leaf, is_inexact
+from ._tree import describe_aval, describe_leaf, is_inexact
 
 # The TypeError of a call missing keyword-only arguments, and their names.
 _EXTRA_ARGS = re.compile(
@@ -66,7 +66,7 @@ def _gradient_problem(param: Any, g: Any) -> str | None:
 def shape_changed(path: str, x: Any, shape: tuple[int, ...], dtype: Any) -> str:
     """The message for a parameter whose shape or dtype is not the one set up."""
     return (
-        f"'{path}' is {describe_leaf(x)} but was {jnp.dtype(dtype).name}{list(shape)} when "
+        f"'{path}' is {describe_leaf(x)} but was {describe_aval(shape, dtype)} when "
         "the optimiser state was set up; its state has the old shape. Set the state up again "
         "for the changed model (tg.setup(rule, model))."
     )
@@ -88,7 +88,7 @@ def _check_shapes(config: _Config, params: list[Any]) -> None:
             path = config.paths[config.first[i]]
             raise BadGradient(
                 f"'{path}' is {describe_leaf(params[i])} but was "
-                f"{jnp.dtype(dtype).name}{list(shape)} when the optimiser state was set up: "
+                f"{describe_aval(shape, dtype)} when the optimiser state was set up: "
                 "only a floating-point array is trained. Set the state up again for the "
                 "changed model (tg.setup(rule, model)), or assign an array of the old dtype."
             )

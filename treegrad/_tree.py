@@ -55,9 +55,21 @@ def path_str(path: tuple[Any, ...]) -> str:
 
 def describe_leaf(x: Any) -> str:
     if isinstance(x, (jax.Array, np.ndarray)):
-        shape = "×".join(map(str, x.shape)) if x.shape else "scalar"
-        return f"{x.dtype}[{shape}]" if x.shape else f"{x.dtype} scalar"
+        return describe_aval(x.shape, x.dtype)
     return repr(x)
+
+
+def describe_aval(shape: tuple[int, ...], dtype: Any) -> str:
+    """`float32[5x3]` (with a multiplication sign), `int32 scalar`: how messages write an array."""
+    name = str(dtype) if isinstance(dtype, np.dtype) else _dtype_name(dtype)
+    return f"{name}[{'×'.join(map(str, shape))}]" if shape else f"{name} scalar"
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return np.dtype(dtype).name  # a scalar type: jnp.float32
+    except TypeError:  # a jax extended dtype (a typed PRNG key's)
+        return str(dtype)
 
 
 def is_none(x: Any) -> bool:
