@@ -81,9 +81,15 @@ class _CodeInfo:
                 elif name == "IMPORT_FROM":
                     attrs.add(op.argval)
                     reads.add(op.argval)
-                if name in ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"):
+                if name in _GLOBAL_NAMES:
                     names[op.argval] = None
                     by_global_name = by_global_name or op.argval in _READS_GLOBALS_BY_NAME
+                    if op.argval in _EVALUATES:
+                        source = _source(ins, i + 1)
+                        if source is None:
+                            dynamic = True  # `eval(EXPR)`, `exec(code)`: reads unknown
+                        else:
+                            stack.extend(source)
                     if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
                         dynamic = True
                     dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
@@ -91,11 +97,39 @@ class _CodeInfo:
                     attrs.add(op.argval)
                     reads.add(op.argval)
                     by_global_name = by_global_name or op.argval in _READS_GLOBALS_BY_NAME
+                    if op.argval in _EVALUATES and _on_builtins(ins, i):  # builtins.eval
+                        source = _source(ins, i + 1)
+                        if source is None:
+                            dynamic = True  # `eval(EXPR)`, `exec(code)`: reads unknown
+                        else:
+                            stack.extend(source)
                     if op.argval in _BY_NAME and not _constant_name(ins, i + 1, op.argval):
                         dynamic = True
                     dynamic = dynamic or op.argval in _READS_EVERY_ATTRIBUTE
                     if op.argval in _IN_PLACE and not in_place:
                         in_place = _dropped_call(ins, i + 1)
+                    if op.argval in _FORMATS and not _constant_before(ins, i):
+                        # `FMT.format(cfg)`, `str.format(FMT, cfg)`: the format string
+                        # is a value, not a constant of this code, so the attributes
+                        # it names (`"{0.scale}"`) are not known here.
+                        dynamic = True
+                elif name == "MATCH_CLASS":
+                    # `case Cfg(scale=s)` reads `scale` from the subject: its keyword
+                    # names are the tuple constant loaded just before; `case P(x, y)`
+                    # (op.arg positional sub-patterns) reads the names of the class's
+                    # `__match_args__`, which no code spells: any attribute may be read.
+                    j = _before(ins, i)
+                    kw = ins[j].argval if j >= 0 and ins[j].opname == "LOAD_CONST" else None
+                    if isinstance(kw, tuple) and all(isinstance(k, str) for k in kw):
+                        reads.update(kw)
+                    else:
+                        dynamic = True
+                    k = _before(ins, j)
+                    # (`case float(x)`: a builtin class matches the subject itself.)
+                    self_matching = (
+                        op.arg == 1 and k >= 0 and ins[k].opname in _GLOBAL_NAMES
+                    ) and ins[k].argval in _SELF_MATCHING
+                    dynamic = dynamic or (bool(op.arg) and not self_matching)
                 elif name == "STORE_ATTR":
                     attrs.add(op.argval)
                     if c.co_name not in _CONSTRUCTORS:
@@ -124,12 +158,29 @@ class _CodeInfo:
         self.in_place = in_place
 
 
+# Instructions that read a global by name (3.12's LOAD_FROM_DICT_OR_GLOBALS: a
+# generic class's bases, a `type` alias, in an annotation scope of a class body).
+_GLOBAL_NAMES = frozenset(
+    {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"}
+)
+# Builtin classes whose one positional class pattern (`case float(x)`) matches the
+# subject itself, reading no attribute.
+_SELF_MATCHING = frozenset(
+    {"bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set"}
+    | {"str", "tuple"}
+)
+# str methods that read the attributes a format string names (`"{0.scale}"`).
+_FORMATS = frozenset({"format", "format_map"})
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _IMPORTS = frozenset({"import_module", "__import__"})
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD"})
 # Names whose use reads the function's globals by a name its code spells as a string.
 _READS_GLOBALS_BY_NAME = frozenset({"globals", "eval", "exec", "f_globals", "__globals__"})
 _FORMAT_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)(?=[^{}]*\})")
+# Functions that run Python source or a code object: what it reads is in no instruction
+# here (`eval("cfg.scale")` reads `scale`): a constant source is compiled and read as
+# nested code is; any other (`eval(EXPR)`, `exec(code)`) may read any attribute.
+_EVALUATES = frozenset({"eval", "exec"})
 # Functions that read an attribute by name: by a constant name they read that name
 # (a string constant, in `reads`); by any other, every attribute may be read.
 _BY_NAME = frozenset({"getattr", "hasattr", "setattr", "delattr", "attrgetter", "methodcaller"})
@@ -216,6 +267,45 @@ def _dropped_call(ins: list[dis.Instruction], i: int) -> bool:
     while i < len(ins) and ins[i].opname == "CACHE":
         i += 1
     return i < len(ins) and ins[i].opname == "POP_TOP"
+
+
+def _source(ins: list[dis.Instruction], i: int) -> list[types.CodeType] | None:
+    """The code of the source that `eval`/`exec`, loaded before instruction `i`, is
+    called with, when it is a string constant: `[code]` (`[]` when it does not
+    compile, so cannot run); None when the argument is not a constant."""
+    while i < len(ins) and ins[i].opname in ("PUSH_NULL", "EXTENDED_ARG", "NOP"):
+        i += 1
+    if i >= len(ins) or not _is_name_constant(ins, i):
+        return None
+    text = ins[i].argval
+    for mode in ("eval", "exec"):
+        try:
+            return [compile(text, "<string>", mode, dont_inherit=True)]
+        except (SyntaxError, ValueError):
+            continue
+    return []
+
+
+def _on_builtins(ins: list[dis.Instruction], i: int) -> bool:
+    """Whether the attribute loaded at `i` is read from `builtins` (`builtins.eval`),
+    not from any object (`model.eval()` is a method of the user's)."""
+    j = _before(ins, i)
+    return j >= 0 and ins[j].argval in ("builtins", "__builtins__")
+
+
+def _before(ins: list[dis.Instruction], i: int) -> int:
+    """The index of the instruction before `i` that is not an EXTENDED_ARG, or -1."""
+    j = i - 1
+    while j >= 0 and ins[j].opname == "EXTENDED_ARG":
+        j -= 1
+    return j
+
+
+def _constant_before(ins: list[dis.Instruction], i: int) -> bool:
+    """Whether the attribute loaded at `i` is looked up on a string constant
+    (`"{0.scale}".format`): the constant's names are in `reads` already."""
+    j = _before(ins, i)
+    return j >= 0 and ins[j].opname == "LOAD_CONST" and isinstance(ins[j].argval, str)
 
 
 def _constant_name(ins: list[dis.Instruction], i: int, fn: str) -> bool:
