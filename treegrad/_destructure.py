@@ -44,7 +44,7 @@ def destructure(model: Any) -> tuple[jax.Array, Any]:
     # parameter, so it is not in the vector and `rebuild` leaves it as it is.
     among = model if isinstance(model, Params) else None
     model = _source(model)
-    leaves, treedef, slots, uniq = trainable_slots(model, among)
+    leaves, treedef, slots, uniq = trainable_slots(model, among, "tg.destructure")
     flat, unravel = jax.flatten_util.ravel_pytree(uniq)
 
     def check(v: Any) -> Any:

@@ -88,6 +88,7 @@ def match(
                     f"{api}: '{name}' is {describe_array(leaf)} in the model but "
                     f"{a.dtype}{list(a.shape)} in the checkpoint {where}."
                 )
+            _check_representable(leaf, name, where, api)
             if isinstance(leaf, (jax.Array, np.ndarray)):
                 first, array = owner.setdefault(id(leaf), (name, r.array))
                 if array != r.array:
@@ -134,6 +135,25 @@ def match(
             f"{api}: the checkpoint {where} has '{path}', which the model lacks. {hint}"
         )
     return out, lambda new: _rebuild_keeping_shared(like, new)
+
+
+def _check_representable(leaf: Any, name: str, where: str, api: str) -> None:
+    """A jax-bound `like` leaf (a ShapeDtypeStruct, say) of a 64-bit dtype with jax's
+    x64 off: restored as a jax.Array it would silently come back 32-bit (an int64
+    step count of 2**40 + 3 loaded as 3, float64 values rounded), not the dtype
+    `like` asks for and the file holds. A numpy leaf is restored exactly as numpy."""
+    if isinstance(leaf, (np.ndarray, np.generic)) or _is_key(leaf.dtype):
+        return
+    dtype = np.dtype(leaf.dtype)
+    if jax.dtypes.canonicalize_dtype(dtype) == dtype:
+        return
+    raise ValueError(
+        f"{api}: '{name}' is {describe_array(leaf)} in `like` and in the checkpoint {where}, "
+        f"but jax's 64-bit types are off (jax_enable_x64), so as a jax.Array it would be "
+        f"truncated to {jax.dtypes.canonicalize_dtype(dtype)}. Enable x64 "
+        '(jax.config.update("jax_enable_x64", True)) before loading, or give a numpy array '
+        "at that place of `like` (np.zeros(shape, dtype)) to load it as numpy."
+    )
 
 
 def _rebuild_keeping_shared(like: Any, new: list[Any]) -> Any:

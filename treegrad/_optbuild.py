@@ -29,10 +29,12 @@ from ._optstate import _Config, _Part
 from ._optstatemap import _statemap
 from ._params import trainable_leaves_with_path
 from ._tree import (
+    describe_aval,
     describe_leaf,
     first_difference,
     functor,
     is_differentiable,
+    is_inexact,
     path_str,
     unique_by_id,
 )
@@ -162,7 +164,9 @@ def _refuse_lookahead(state: Any) -> None:
         )
 
 
-def trainable_slots(model: Any, among: Any = None) -> tuple[list[Any], Any, list[int], list[Any]]:
+def trainable_slots(
+    model: Any, among: Any = None, api: str = "tg.setup"
+) -> tuple[list[Any], Any, list[int], list[Any]]:
     """Flatten `model` and number its distinct trainable arrays.
 
     Returns `(leaves, treedef, slots, uniq)`: `slots[p]` is the index in
@@ -175,7 +179,9 @@ def trainable_slots(model: Any, among: Any = None) -> tuple[list[Any], Any, list
     sees the Params' arrays, as a plain optax user given them would.
     """
     leaves, treedef = jax.tree_util.tree_flatten(model)
-    places = {id(leaf) for _, leaf in trainable_leaves_with_path(model)}
+    trainable = trainable_leaves_with_path(model)
+    _refuse_abstract(trainable, api)
+    places = {id(leaf) for _, leaf in trainable}
     if among is not None:
         wanted = set(map(id, among))
         removed = {id(x) for x in leaves if id(x) in places and is_differentiable(x)} - wanted
@@ -186,6 +192,23 @@ def trainable_slots(model: Any, among: Any = None) -> tuple[list[Any], Any, list
     for p, s in zip(tpos, tslots, strict=True):
         slots[p] = s
     return leaves, treedef, slots, uniq
+
+
+def _refuse_abstract(trainable: list[tuple[tuple[Any, ...], Any]], api: str) -> None:
+    """A floating ShapeDtypeStruct where a parameter goes (a model from
+    `jax.eval_shape`) is not an array: counted as one that is not trained, tg.setup
+    gave a state with no parameters at all (and tg.destructure an empty vector),
+    silently; loading a saved state into it or updating a real model with it then
+    failed with messages about another cause."""
+    for path, leaf in trainable:
+        if isinstance(leaf, jax.ShapeDtypeStruct) and is_inexact(leaf.dtype):
+            raise TypeError(
+                f"{api}: '{path_str(path)}' is a jax.ShapeDtypeStruct "
+                f"({describe_aval(leaf.shape, leaf.dtype)}), not an array: the model is "
+                f"abstract (from jax.eval_shape?). Give {api} the real model; for an abstract "
+                "optimiser state (a `like` for tg.load), use "
+                "jax.eval_shape(lambda: tg.setup(rule, make_model()))."
+            )
 
 
 def shares_nodes(model: Any, leaves: Sequence[Any]) -> bool:

@@ -457,9 +457,16 @@ def _checked_source(xs: Any, api: str) -> Any:
         )
     if isinstance(xs, jax.Array):
         if not is_differentiable(xs):
+            # A typed PRNG key cannot be cast to a float (astype raises): say what it is
+            # instead of suggesting the cast.
+            hint = (
+                "it is a random key, which a model holds as state, never as a parameter."
+                if jnp.issubdtype(xs.dtype, jax.dtypes.prng_key)
+                else "cast it, e.g. x.astype(jnp.float32), if it is a parameter."
+            )
             raise ValueError(
                 f"{api}: a {describe_leaf(xs)} array is not differentiable (only floating and "
-                "complex arrays are); cast it, e.g. x.astype(jnp.float32), if it is a parameter."
+                f"complex arrays are); {hint}"
             )
         return xs
     flat = jax.tree_util.tree_leaves_with_path(xs)
