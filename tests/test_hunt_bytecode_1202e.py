@@ -14,10 +14,10 @@ pattern (`case Cfg(scale=s)`, `case P(x, y)`) read attributes no code names; a
 format string held as a value (`FMT.format(cfg)`) read the attributes it names;
 3.12's `LOAD_FROM_DICT_OR_GLOBALS` (a generic class's base, a `type` alias in a
 class body) read a global not checked; `eval`/`exec` source (`eval("cfg.p")`,
-`eval(EXPR)`, `exec(SRC)`) read attributes no instruction names. Left as strict
-xfails (fix in `_walk.py`): the builtin `getattr` reached as a value (`ga = getattr;
-ga(obj, NAME)`), a class's `__match_args__` rebound, `functools.lru_cache`'s
-`cache_clear()`.
+`eval(EXPR)`, `exec(SRC)`) read attributes no instruction names. Fixed in
+`_walk.py`: the builtin `getattr` reached as a value (`ga = getattr; ga(obj, NAME)`)
+makes any attribute read; a class's `__match_args__` rebound is checked. Left as a
+strict xfail: `functools.lru_cache`'s `cache_clear()` (docs/freshness.md).
 """
 
 import contextlib
@@ -378,11 +378,6 @@ def test_match_class_pattern_positional_reads_match_args_attributes_fresh():
     run(_match_class_positional, a, b)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_walk._SKIP_CLASS_ATTRS skips __match_args__: a class's rebound __match_args__ "
-    "is not checked (fix in _walk.py)",
-)
 def test_match_args_rebound_on_the_class():
     global PAIR
     PAIR = Pair(1.0, 2.0)
@@ -893,11 +888,6 @@ def test_format_map_with_a_global_format_string():
 _GETATTR = getattr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the builtin getattr reached as a value (a global alias, a default, a dict "
-    "entry) does not mark the walk dynamic: _walk.Walk.node's builtin branch",
-)
 @pytest.mark.parametrize("route", ["global", "default", "dict"])
 def test_getattr_reached_as_a_value(route):
     global HOLDER, NAME

@@ -83,7 +83,6 @@ _SKIP_CLASS_ATTRS = frozenset(
         "__parameters__",
         "__abstractmethods__",
         "_abc_impl",
-        "__match_args__",
         "__dataclass_fields__",
         "__dataclass_params__",
         "__trainable__",
@@ -422,6 +421,10 @@ class Walk:
         if isinstance(value, np.generic):
             return Const(value)
         if t is types.BuiltinMethodType or t is types.MethodWrapperType:
+            if any(value is f for f in _READS_ANY_ATTRIBUTE):
+                # `ga = getattr` then `ga(obj, NAME)` (a global alias, a default, a dict
+                # entry): the code names no attribute, so any may be read.
+                self.dynamic = True
             # `get = cfg.get`, `cfg.__getitem__`: what the method reads is its owner's.
             owner = value.__self__
             if owner is not None and not isinstance(owner, (type, types.ModuleType)):
@@ -559,7 +562,7 @@ class Walk:
             for name, value in list(g.items()):
                 if name in named or name.startswith("__"):
                     continue
-                if isinstance(value, (types.FunctionType, type, types.ModuleType)):
+                if isinstance(value, _BY_IDENTITY):
                     node.globals.append((name, Same(value)))
                 else:
                     node.globals.append((name, self.node(value, name)))
@@ -734,6 +737,11 @@ def _plain_attributes(t: type) -> bool:
 
 
 _BY_NAME_BUILTINS = (getattr, hasattr, setattr, delattr)
+# Builtins that read attributes named by a value, or every one: reached as a value
+# (not called by name, which `_codeinfo` sees), they make the walk `dynamic`.
+_READS_ANY_ATTRIBUTE = (*_BY_NAME_BUILTINS, vars, eval, exec)
+# The other globals of a function that reads one by a computed name: checked by identity.
+_BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType)
 
 
 def _names_read_by(value: Any) -> tuple[str, ...] | None:
