@@ -22,7 +22,7 @@ from ._outputs import Packed, Written, conj, expand, pack, scalar_loss, split_ou
 from ._settle import CHANGES, Scrub, Settle
 from ._shard import by_prefix
 from ._swap import Swap, Unsettled
-from ._tracecheck import ArgsKept, check_out, traced_value_error
+from ._tracecheck import ArgsKept, abstract_argument_error, check_out, traced_value_error
 
 if TYPE_CHECKING:
     from ._engine import Entry
@@ -148,9 +148,12 @@ def _user(
             except _TRACE_ERRORS as e:
                 _scrub(entry, per_place)
                 raise traced_value_error(entry, e) from e
-            except BaseException:  # any, a KeyboardInterrupt too: cleaned up, re-raised
+            except BaseException as e:  # any, a KeyboardInterrupt too: cleaned up, re-raised
                 _scrub(entry, per_place)
-                raise
+                abstract = abstract_argument_error(entry.api, args, e, entry.program == CALL)
+                if abstract is None:
+                    raise
+                raise abstract from e
             finally:
                 forget_bodies()  # bodies holding this run's tracers
                 made = _MADE.pop()

@@ -20,6 +20,7 @@ from . import _kinds as K
 from ._grads import Grads
 from ._jaxpr import is_tracer
 from ._params import Params
+from ._tree import path_str
 
 if TYPE_CHECKING:
     from ._engine import Entry
@@ -152,3 +153,29 @@ def _user_frame(e: BaseException) -> str:
             found = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{tb.tb_lineno})"
         tb = tb.tb_next
     return found
+
+
+def abstract_argument_error(api: str, args: Any, e: BaseException, call: bool) -> Exception | None:
+    """The error for a function that failed on an argument holding a
+    `jax.ShapeDtypeStruct` (a model from `jax.eval_shape`), or None.
+
+    Such a leaf is no array, so the function gets it as static data, as `jax.jit`
+    would refuse it: the user's code then fails far from the cause (`'ShapeDtypeStruct'
+    object has no attribute 'T'`). An unused one is fine, so only a failure is explained.
+    `call`: `args` is tg.jit's `(positional, keywords)`, not a tuple of arguments.
+    """
+    if not isinstance(e, (AttributeError, TypeError)):
+        return None
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    where = next((p for p, x in flat if isinstance(x, jax.ShapeDtypeStruct)), None)
+    if where is None:
+        return None
+    key, *rest = where[1:] if call else where
+    arg = key.key if isinstance(key, jax.tree_util.DictKey) else getattr(key, "idx", key)
+    at = f" at '{path_str(tuple(rest))}'" if rest else ""
+    return TypeError(
+        f"{api}: the function failed ({type(e).__name__}: {e}); its argument {arg!r} holds "
+        f"a jax.ShapeDtypeStruct{at}, which has a shape and dtype but no values (a model "
+        "from jax.eval_shape?). Pass real arrays: build the model, or tg.load a checkpoint "
+        "into the abstract one."
+    )
