@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._jaxpr import is_tracer
 from ._params import _names
 from ._tree import describe_leaf, path_str, picker
 from ._typing import GradientTree, Model
@@ -388,7 +389,13 @@ class Grads(Mapping[Any, Any]):
     def __repr__(self) -> str:
         lines = [f"Grads({len(self)} parameters)"]
         for n, p, g in zip(self._names_list, self._params, self._grads, strict=True):
-            norm = "None" if g is None else f"norm {float(jnp.linalg.norm(jnp.ravel(g))):.4g}"
+            if g is None:
+                norm = "None"
+            elif isinstance(g, jax.Array) and not is_tracer(g) and g.is_deleted():
+                # repr must not raise: a gradient donated to a jax.jit (or deleted) has no norm.
+                norm = "deleted"
+            else:
+                norm = f"norm {float(jnp.linalg.norm(jnp.ravel(g))):.4g}"
             lines.append(f"  {n}: {describe_leaf(p)}  grad {norm}")
         return "\n".join(lines)
 

@@ -198,6 +198,20 @@ class SubState(_View):
     def _at(self) -> tuple[OptState, Any]:
         return self._root, self._node
 
+    # Without these, copy/deepcopy/pickle rebuilt the view empty and restored its
+    # slots through `_View.__setattr__`, which reads `_root` before it is set: a
+    # RecursionError. A copy is a view of the same root; a deep copy, a view of a
+    # deep-copied root (updating either leaves the other alone), as for OptState.
+    def __copy__(self) -> SubState:
+        return SubState(self._root, self._node)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SubState:
+        # `_node` belongs to the root's configuration, which a deep copy shares.
+        return SubState(copy.deepcopy(self._root, memo), self._node)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._root.__reduce_ex__(protocol)  # OptState's clear TypeError
+
     def __repr__(self) -> str:
         where = self._root._config.path_of(self._node)
         return f"<optimiser state of {type(self._node).__name__} at '{where}'>"

@@ -164,6 +164,18 @@ class Params:
         # A new set: adding to or removing from the copy leaves this one as it is.
         return Params(self)
 
+    # pickle and deepcopy: the sources only. The readings cache held generated
+    # functions (`picker`'s lambdas) that pickle refused ("Can't pickle local object
+    # 'picker.<locals>.<lambda>'") as soon as the set had been read once; it is
+    # rebuilt from the copied sources on the first read.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_sources": self._sources}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._sources = state["_sources"]
+        self._cache = {}
+        self._proven = False  # the copy's containers: not yet seen read by the loss
+
     @property
     def _removed(self) -> list[Any]:
         removed: list[Any] = self._sources[0]
