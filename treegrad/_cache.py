@@ -24,7 +24,7 @@ from . import _kinds as K
 from . import _optguard
 from ._call import _BARE, _GROUPS, Call, root_keys, uniq_in_groups
 from ._draws import Draws
-from ._engine import NUMPY_VALUES, Entry, Refit, values_mode
+from ._engine import NUMPY_VALUES, Entry, Refit, deleted_input, values_mode
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
@@ -98,74 +98,86 @@ def execute(
 ) -> tuple[Entry, Any]:
     """Run `roots[0]` under `program`; returns the entry and `(deps, packed, grads)`."""
     with TURN:
-        f = roots[0]
-        rk = f.__code__ if len(roots) == 1 and type(f) is types.FunctionType else root_keys(roots)
-        recent_key = (program, options, rk)
-        recent = _RECENT.get(recent_key)
-        if recent is not None:
-            # The arguments' structure seen last with this function, read by generated
-            # code: the same structure and ties give the same cache key.
-            shape, slots, last, groups, shared, bare = recent
-            leaves = shape.flatten(args)
-            if leaves is not None:
-                if slots is None and not bare and len(set(map(id, leaves))) == len(leaves):
-                    # No tied arrays: the usual case; the usual explicit gradient in one step.
-                    if last and last[0].fast and params is None:
-                        first = last[0]
-                        out = first.run_plain(roots, leaves)
-                        if out is not None:
-                            _LRU.move_to_end(id(first))
-                            return first, out
-                        last = last[1:]  # not this call's entry (see `run_plain`)
-                    hit = _lookup(last, roots, leaves, params)
-                else:
-                    a_uniq, a_slots = uniq_in_groups(leaves, groups)
-                    # With a node holding no array (`bare`), sharing is read afresh.
-                    same = a_slots == slots and (
-                        (a_slots is None and not bare) or shared_nodes(args) == shared
-                    )
-                    hit = _lookup(last, roots, a_uniq, params) if same else None
+        try:
+            f = roots[0]
+            rk = (
+                f.__code__
+                if len(roots) == 1 and type(f) is types.FunctionType
+                else root_keys(roots)
+            )
+            recent_key = (program, options, rk)
+            recent = _RECENT.get(recent_key)
+            if recent is not None:
+                # The arguments' structure seen last with this function, read by generated
+                # code: the same structure and ties give the same cache key.
+                shape, slots, last, groups, shared, bare = recent
+                leaves = shape.flatten(args)
+                if leaves is not None:
+                    if slots is None and not bare and len(set(map(id, leaves))) == len(leaves):
+                        # No tied arrays: the usual case; the usual explicit gradient in one step.
+                        if last and last[0].fast and params is None:
+                            first = last[0]
+                            out = first.run_plain(roots, leaves)
+                            if out is not None:
+                                _LRU.move_to_end(id(first))
+                                return first, out
+                            last = last[1:]  # not this call's entry (see `run_plain`)
+                        hit = _lookup(last, roots, leaves, params)
+                    else:
+                        a_uniq, a_slots = uniq_in_groups(leaves, groups)
+                        # With a node holding no array (`bare`), sharing is read afresh.
+                        same = a_slots == slots and (
+                            (a_slots is None and not bare) or shared_nodes(args) == shared
+                        )
+                        hit = _lookup(last, roots, a_uniq, params) if same else None
+                    if hit is not None:
+                        return hit
+            call = Call(program, options, roots, args)
+            bucket = _CACHE.get(call.key)
+            if bucket is not None:
+                hit = _lookup(bucket, roots, call.a_uniq, params)
                 if hit is not None:
+                    _remember(recent_key, call, bucket)
                     return hit
-        call = Call(program, options, roots, args)
-        bucket = _CACHE.get(call.key)
-        if bucket is not None:
-            hit = _lookup(bucket, roots, call.a_uniq, params)
-            if hit is not None:
-                _remember(recent_key, call, bucket)
-                return hit
-        if make is None:
-            make = functools.partial(Entry, program, api, options, params=params)
-        entry, out = _new(make, call, params)
-        if program != CALL and call.a_statics is not None:
-            _warn_opaque_argument(entry, roots[0])
-        if entry.changed:
-            _CHANGING[rk] = _CHANGING.get(rk, 0) + 1
-        else:
-            _CHANGING.pop(rk, None)
-        if entry.cacheable:
-            _remember(recent_key, call, _store(call.key, entry))
-        else:
-            if _CHANGING.get(rk, 0) >= 2 and not entry.drew:
-                # (Not after one trace: a write made on the first call only, a default
-                # filled in. Not for a random state or iterator: `_warn_drew` says it.)
-                _warn_changed(entry, roots[0])
-            if entry.hidden and all(random for _, random in entry.drew):
-                # (Arrays an iterator yields are hidden too: the iterator is named below.)
-                _warn_hidden(entry, roots[0])
-            if entry.lost:
-                _warn_lost(entry, roots[0])
-            if entry.drew:
-                _warn_drew(entry, roots[0])
-            if entry.wrote:
-                _warn_wrote(entry, roots[0])
-        if (
-            entry.valued
-            and not entry.wrote
-            and NUMPY_VALUES.get(root_keys(roots), 0) >= _VALUED_TRACES
-        ):
-            _warn_valued(entry, roots[0])
-        return entry, out
+            if make is None:
+                make = functools.partial(Entry, program, api, options, params=params)
+            entry, out = _new(make, call, params)
+            if program != CALL and call.a_statics is not None:
+                _warn_opaque_argument(entry, roots[0])
+            if entry.changed:
+                _CHANGING[rk] = _CHANGING.get(rk, 0) + 1
+            else:
+                _CHANGING.pop(rk, None)
+            if entry.cacheable:
+                _remember(recent_key, call, _store(call.key, entry))
+            else:
+                if _CHANGING.get(rk, 0) >= 2 and not entry.drew:
+                    # (Not after one trace: a write made on the first call only, a default
+                    # filled in. Not for a random state or iterator: `_warn_drew` says it.)
+                    _warn_changed(entry, roots[0])
+                if entry.hidden and all(random for _, random in entry.drew):
+                    # (Arrays an iterator yields are hidden too: the iterator is named below.)
+                    _warn_hidden(entry, roots[0])
+                if entry.lost:
+                    _warn_lost(entry, roots[0])
+                if entry.drew:
+                    _warn_drew(entry, roots[0])
+                if entry.wrote:
+                    _warn_wrote(entry, roots[0])
+            if (
+                entry.valued
+                and not entry.wrote
+                and NUMPY_VALUES.get(root_keys(roots), 0) >= _VALUED_TRACES
+            ):
+                _warn_valued(entry, roots[0])
+            return entry, out
+        except Exception as e:
+            # A failed call: an input deleted (donated to an earlier call, `x.delete()`)
+            # is named, not left to XLA's "Invalid buffer passed to Execute()".
+            deleted = deleted_input(api, program, roots, args)
+            if deleted is None:
+                raise
+            raise deleted from e
 
 
 def _new(

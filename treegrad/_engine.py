@@ -654,3 +654,43 @@ def values_mode(key: Any) -> None:
 def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:
     index = {id(a): i for i, a in enumerate(cl_uniq)}
     return tuple(index.get(id(p), -1) for p in params)
+
+
+def deleted_input(api: str, program: str, roots: tuple[Any, ...], args: Any) -> Exception | None:
+    """After a failed call: the error naming an input array that was deleted, or None.
+
+    A buffer donated to an earlier call (`tg.update(..., donate=True)`, a `jax.jit`'s
+    `donate_argnums`) or freed by `x.delete()`: XLA refuses it with "Invalid buffer
+    passed to Execute()", jax with "Array has been deleted", and neither says which
+    variable it was. An argument is named by its path, a captured array by the name
+    the function reads it by (walked again: this runs only when a call failed).
+    """
+
+    def gone(x: Any) -> bool:
+        return isinstance(x, jax.Array) and not _jaxpr.is_tracer(x) and x.is_deleted()
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if gone(leaf):
+            if program == CALL:  # tg.jit's (positional, keywords)
+                path = path[1:]
+            where, rest = path[0], path[1:]
+            arg = where.key if isinstance(where, jax.tree_util.DictKey) else where.idx
+            where_ = f"argument {arg!r}{jax.tree_util.keystr(rest)} holds"
+            return _deleted(api, where_, leaf)
+    try:
+        walk, nodes, absolute = _walk(Call(program, None, roots, args))
+        read = Guard(nodes, absolute).check(*roots) or []
+    except Exception:  # the function's own failure, whatever it is, is the message then
+        return None
+    for name, x in zip(walk.names, read, strict=False):
+        if gone(x):
+            return _deleted(api, f"the function reads, as {name},", x)
+    return None
+
+
+def _deleted(api: str, where: str, x: Any) -> Exception:
+    return RuntimeError(
+        f"{api}: {where} an array that was deleted ({describe_leaf(x)}): it was "
+        "donated to an earlier call (tg.update's donate=True, a jax.jit's donate_argnums) "
+        "or deleted. Pass the arrays that call returned, not the donated ones."
+    )

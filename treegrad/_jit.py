@@ -65,8 +65,20 @@ def _str_tuple(value: Any, name: str) -> tuple[str, ...]:
 
 
 class _Unset:
+    """The default of an option not given; compared by identity, so a copy (of a
+    tg.jit function, or of a model holding one) must be this object again."""
+
     def __repr__(self) -> str:
         return "<unset>"
+
+    def __copy__(self) -> _Unset:
+        return UNSET
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Unset:
+        return UNSET
+
+    def __reduce__(self) -> str:
+        return "UNSET"  # pickled by name: this module's UNSET
 
 
 UNSET: Any = _Unset()
@@ -146,18 +158,10 @@ class Jitted:
             and (_NOT_FUNCTIONS.issuperset(map(type, args)) or not any(map(_is_function, args)))
         ):
             # No static or callable argument (a training step): the arguments as given.
-            try:
-                _, (_, packed, _) = C.execute(
-                    P.CALL,
-                    "tg.jit",
-                    self._options,
-                    (self.__wrapped__,),
-                    (args, {}),
-                    make=self._entry,
-                )
-            except ValueError:
-                _check_deleted(args, kwargs)
-                raise
+            # (A deleted argument is named by `_cache.execute`.)
+            _, (_, packed, _) = C.execute(
+                P.CALL, "tg.jit", self._options, (self.__wrapped__,), (args, {}), make=self._entry
+            )
             return packed.value()
         fn = self.__wrapped__
         # A negative position (a function of *args) counts from the end of this call's.
@@ -203,13 +207,9 @@ class Jitted:
         def make(call: E.Call) -> E.Entry:
             return self._new_entry(call, options, static)
 
-        try:
-            _, (_, packed, _) = C.execute(
-                P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
-            )
-        except ValueError:
-            _check_deleted(args, kwargs)
-            raise
+        _, (_, packed, _) = C.execute(
+            P.CALL, "tg.jit", options, tuple(roots), (tuple(pos), kw), make=make
+        )
         return packed.value()
 
     def _owners(self, entry: E.Entry) -> list[Any]:
@@ -303,20 +303,6 @@ def _is_function(a: Any) -> bool:
 
 _ROOT_TYPES: set[type] = set()  # plain objects' classes, as found by `is_plain_object`
 C.MEMOS.append(_ROOT_TYPES)
-
-
-def _check_deleted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """After XLA refused a call: name an argument holding an array already deleted
-    (donated to an earlier call), instead of XLA's 'Invalid buffer'."""
-    for where, value in [*enumerate(args), *kwargs.items()]:
-        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
-                raise RuntimeError(
-                    f"tg.jit: argument {where!r}{jax.tree_util.keystr(path)} holds an array "
-                    "that was deleted: it was donated to an earlier call (donate_argnums "
-                    "or donate_argnames). Pass the arrays that call returned, not the "
-                    "donated ones."
-                ) from None
 
 
 def _resolve(
