@@ -74,6 +74,19 @@ def c(tmp_path):
     return Ctx(tmp_path)
 
 
+def _gradient_reading_a_deleted_array(c):
+    b = jnp.ones(3)
+    tg.gradient(lambda v: jnp.sum(v * b), jnp.ones(3))
+    b.delete()
+    tg.gradient(lambda v: jnp.sum(v * b), jnp.ones(3))
+
+
+def _jit_of_a_donated_model(c):
+    state = tg.setup(optax.sgd(0.1), c.model)
+    tg.update(state, c.model, c.g, donate=True)  # c.model's arrays are donated
+    tg.jit(lambda m: mse(m, c.x, c.y))(c.model)
+
+
 def _gradient_then_replace(c):
     grads = tg.gradient(lambda: mse(c.model, c.x, c.y), c.ps)
     w = c.model.layers[0].weight
@@ -928,6 +941,28 @@ ROWS = [
         _dense_given_a_number,
         ValueError,
         r"expected input with 4 features on axis -1, got a float, not an array",
+    ),
+    row(
+        "gradient-reading-a-deleted-array",
+        _gradient_reading_a_deleted_array,
+        RuntimeError,
+        r"tg\.gradient: the function reads, as b, an array that was deleted \(float32\[3\]\): "
+        r"it was donated to an earlier call",
+    ),
+    row(
+        "jit-of-a-donated-model",
+        _jit_of_a_donated_model,
+        RuntimeError,
+        r"tg\.jit: argument 0\.layers\[0\]\.weight holds an array that was deleted",
+    ),
+    row(
+        "gradient-of-an-abstract-model",
+        lambda c: tg.gradient(
+            lambda m: mse(m, c.x, c.y), jax.eval_shape(lambda: MLP(jax.random.key(0)))
+        ),
+        TypeError,
+        r"tg\.gradient: the function failed \(.*\); its argument 0 holds a "
+        r"jax\.ShapeDtypeStruct at 'layers\.0\.weight'.*\(a model from jax\.eval_shape\?\)",
     ),
     row(
         "datasets-batches-size-zero",
