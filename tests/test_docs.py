@@ -160,6 +160,15 @@ def test_pitfalls_page_shows_exact_messages(tmp_path):
         assert message in documented, f"docs/pitfalls.md does not show:\n{message}"
 
 
+def test_compilation_page_shows_the_deleted_array_message_exactly():
+    b = jnp.ones(3)
+    tg.gradient(lambda v: jnp.sum(v * b), jnp.ones(3))
+    b.delete()  # as donation deletes it
+    with pytest.raises(RuntimeError) as e:
+        tg.gradient(lambda v: jnp.sum(v * b), jnp.ones(3))
+    assert str(e.value) in quoted("compilation"), str(e.value)
+
+
 def page_blocks():
     """The console blocks of each docs page, as the site shows them: `{page: [text]}`."""
     fence = re.compile(r"^```pycon\n(.*?)^```", re.M | re.S)
