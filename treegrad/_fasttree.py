@@ -162,7 +162,9 @@ class _Gen(CodeGen):
         # Any other node: JAX flattens it; the structure and leaf types are checked.
         leaves, sub = self._v(), self._v()
         self.lines.append(f"    {leaves}, {sub} = jflatten({v})")
-        self._fail_unless(f"{sub} == {self._k(td)}")
+        # (The hash too: jax's == takes two dataclass types of one layout for one
+        # node, `_tree.same_structure`.)
+        self._fail_unless(f"{sub} == {self._k(td)} and hash({sub}) == {hash(td)}")
         return [f"*{leaves}"]
 
     def _children(self, kids: list[Any], exprs: list[str]) -> list[str]:

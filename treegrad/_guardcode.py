@@ -91,6 +91,10 @@ class Guard(CodeGen):
     def _fail_unless(self, depth: int, cond: str) -> None:
         self._emit(depth, f"if not ({cond}): return None")
 
+    def _same(self, td: str, treedef: Any) -> str:
+        """`td` is `treedef`: jax's == and the hash (`_tree.same_structure`)."""
+        return f"{td} == {self._k(treedef)} and hash({td}) == {hash(treedef)}"
+
     def _read(self, d: int, expr: str, child: Node) -> None:
         """Read `expr` into a new variable and check it as `child`."""
         w = self._v()
@@ -192,13 +196,13 @@ class Guard(CodeGen):
                 self._emit(d + 1, f"{leaves}, {td} = flatten({v})")
                 self._fail_unless(
                     d + 1,
-                    f"{td} == {self._k(node.treedef)} and (ARR.issuperset(map(type, {leaves})) "
+                    f"{self._same(td, node.treedef)} and (ARR.issuperset(map(type, {leaves})) "
                     f"or all(map(isarr, {leaves})))",
                 )
                 self._emit(d, f"out.extend({leaves})")
             else:
                 self._emit(d, f"{leaves}, {td} = flatten({v})")
-                self._fail_unless(d, f"{td} == {self._k(node.treedef)}")
+                self._fail_unless(d, self._same(td, node.treedef))
                 for i, leaf in enumerate(node.leaves):
                     self._read(d, f"{leaves}[{i}]", leaf)
         elif isinstance(node, Deref):

@@ -36,6 +36,7 @@ from ._tree import (
     is_differentiable,
     is_inexact,
     path_str,
+    same_structure,
     unique_by_id,
 )
 
@@ -141,7 +142,7 @@ def _steady_dtypes(rule: Any, state: Any, tree: Any) -> Any:
         return state  # the usual rules keep their dtypes: no trace at setup
     after = jax.eval_shape(lambda s, p: rule.update(p, s, p)[1], state, tree)
     after_def: Any = jax.tree_util.tree_structure(after)
-    if after_def != jax.tree_util.tree_structure(state):
+    if not same_structure(after_def, jax.tree_util.tree_structure(state)):
         return state
     return jax.tree_util.tree_map(
         lambda x, a: x.astype(a.dtype) if x.shape == a.shape and x.dtype != a.dtype else x,

@@ -38,11 +38,7 @@ from ._params import Params
 from ._paths import rebind
 from ._programs import LINKED
 from ._reach import node_types
-from ._tree import (
-    describe_leaf,
-    is_differentiable,
-    tree_map_shared,
-)
+from ._tree import describe_leaf, is_differentiable, same_structure, tree_map_shared
 
 
 def _source(model: Any) -> Any:
@@ -304,7 +300,7 @@ def _run(
     m_leaves = config._shape.flatten(model) if config._shape is not None else None
     if m_leaves is None:  # not the structure seen last (or not all arrays): JAX's path
         m_leaves, m_def = jax.tree_util.tree_flatten(model)
-        if m_def != config.treedef:
+        if not same_structure(m_def, config.treedef):
             if not _only_static_changed(config, model, m_def):
                 raise ValueError(_mismatch(api, "optimiser state", model, config.layout))
             # Static data edited since setup (a dropout rate, an activation): the

@@ -27,7 +27,7 @@ import numpy as np
 from ._fasttree import Shape
 from ._module import Module, register_child_type
 from ._params import distinct
-from ._tree import functor, path_str, picker
+from ._tree import functor, path_str, picker, same_structure
 
 
 class _Part(NamedTuple):
@@ -202,7 +202,7 @@ class _Config:
             and self.frozen == other.frozen
             and self.tied == other.tied
             and self.parts == other.parts
-            and self.treedef == other.treedef
+            and same_structure(self.treedef, other.treedef)
         )
         if equal:
             if len(self._equal) >= 16:

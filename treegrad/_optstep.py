@@ -27,7 +27,7 @@ from ._layout import constrain
 from ._optstate import _Config
 from ._optstatemap import MIXED, RAVELED
 from ._optview import rule_name
-from ._tree import describe_aval, describe_leaf, is_inexact
+from ._tree import describe_aval, describe_leaf, is_inexact, same_structure
 
 # The TypeError of a call missing keyword-only arguments, and their names.
 _EXTRA_ARGS = re.compile(
@@ -204,7 +204,7 @@ def _part_step(
             "one with plain optax on the gradient tree tg.gradient gives."
         ) from e
     new, new_def = jax.tree_util.tree_flatten(state)
-    if new_def != part.state_def:
+    if not same_structure(new_def, part.state_def):
         raise TypeError(
             f"the optax rule {rule_name(part.rule)} returned a state of another structure "
             "than its init gave; treegrad needs the structure to stay fixed."

@@ -13,7 +13,7 @@ from ._fasttree import TAKE, Shape
 from ._grads import Grads
 from ._params import Params
 from ._paths import get_at, put_at
-from ._tree import functor, unique_by_id
+from ._tree import functor, same_structure, unique_by_id
 
 Path = tuple[Any, ...]
 
@@ -82,7 +82,7 @@ class _Aux:
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, _Aux)
-            and self.treedef == other.treedef
+            and same_structure(self.treedef, other.treedef)
             and self.slots == other.slots
             and self.shared == other.shared
             and len(self.statics) == len(other.statics)

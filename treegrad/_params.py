@@ -19,7 +19,7 @@ import numpy as np
 from ._fasttree import Shape
 from ._module import Module
 from ._paths import set_at
-from ._tree import describe_leaf, is_differentiable, path_str, picker, unique_by_id
+from ._tree import describe_leaf, is_differentiable, path_str, picker, same_structure, unique_by_id
 from ._typing import Model
 
 
@@ -299,7 +299,7 @@ class Params:
             leaves, treedef = jax.tree_util.tree_flatten(source)
             if (
                 seen is None
-                or seen.treedef != treedef
+                or not same_structure(seen.treedef, treedef)
                 or _kinds(seen.candidates(leaves)) != seen.kinds
             ):
                 seen = self._cache[j] = _Reading(source, leaves, treedef)

@@ -48,6 +48,7 @@ from ._jaxpr import is_tracer
 from ._kinds import has_instance_dict, is_array
 from ._paths import IN_PLACE
 from ._swap import Unsettled, _holds_tracer, _key_paths, _leaves
+from ._tree import same_structure
 
 # The Python values a call's runs of the function changed (a counter it advances): each
 # run is undone after it (`Settle.undo_changes`), so that every run of the call starts
@@ -510,7 +511,7 @@ class Settle:
             return node
         if isinstance(node, Tree):
             leaves, treedef = jax.tree_util.tree_flatten(v)
-            if treedef != node.treedef:
+            if not same_structure(treedef, node.treedef):
                 paths = _key_paths(treedef)
                 old_paths = _key_paths(node.treedef)
                 if paths is None or paths != old_paths:
@@ -528,7 +529,7 @@ class Settle:
             # counter): arrays it rebound are written back. The node keeps the old
             # structure, so the next call fails its guard and traces again, reading
             # the changed value fresh, as the uncompiled function would.
-            if treedef != node.treedef:
+            if not same_structure(treedef, node.treedef):
                 at = f" ({self._at})" if self._at else ""
                 self._changed(f"the static data of {_a(type(v).__name__)}{at}")
             node.leaves = [self.node(c, x) for c, x in zip(node.leaves, leaves, strict=True)]

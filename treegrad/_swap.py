@@ -47,6 +47,7 @@ from ._jaxpr import is_tracer
 from ._kinds import has_instance_dict, is_array, is_pytree_node
 from ._paths import IN_PLACE, rebind, rebind_value
 from ._reach import slot_names
+from ._tree import same_structure
 
 
 class Unsettled(Exception):
@@ -358,6 +359,17 @@ class Swap:
         except TypeError:
             # Not writable in place (an immutable pytree): the parent rebinds a new one.
             return jax.tree_util.tree_unflatten(treedef, new)
+        except Exception as e:
+            # A flax.nnx Variable refuses a value from another trace level
+            # (TraceContextError, matched by name: flax is not imported here). The user
+            # saw flax's bare error from every implicit-mode call on an nnx.Module; treat
+            # the node as immutable instead, after putting back any leaf written before
+            # the refusal, so the parent rebinds a new one (as for a frozen pytree).
+            if type(e).__name__ != "TraceContextError":
+                raise
+            ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
+            _restore_tree(v, treedef, leaves, ours, self, held)
+            return jax.tree_util.tree_unflatten(treedef, new)
         ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
         if self.record:
             self.originals.update(ours)
@@ -472,7 +484,7 @@ def _restore_tree(
     now, now_def = jax.tree_util.tree_flatten(v)
     if all(id(b) in ours or not is_tracer(b) for b in now):
         back = {id(b): ours[id(b)] for b in now if id(b) in ours}
-    elif now_def == treedef:
+    elif same_structure(now_def, treedef):
         back = {id(b): a for a, b in zip(leaves, now, strict=True) if a is not b}
     else:
         old_paths, now_paths = _key_paths(treedef), _key_paths(now_def)

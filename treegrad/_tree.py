@@ -53,6 +53,18 @@ def path_str(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
+def same_structure(a: Any, b: Any) -> bool:
+    """Whether two treedefs are the same structure: jax's `==`, and the same hash.
+
+    jax's `==` (jaxlib 0.10 to 0.12) takes two `jax.tree_util.register_dataclass`
+    types with as many data fields and equal static fields for the same node, even
+    with other field names (`flax.struct.dataclass` too); their hashes differ. Trusting
+    `==` alone, a gradient of one such model was served from another's cache entry.
+    (`test_jax_treedef_equality_of_same_layout_dataclasses_is_the_trap` tracks it.)
+    """
+    return a == b and hash(a) == hash(b)
+
+
 def describe_leaf(x: Any) -> str:
     if isinstance(x, (jax.Array, np.ndarray)):
         return describe_aval(x.shape, x.dtype)
