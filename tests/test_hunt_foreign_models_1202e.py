@@ -148,6 +148,7 @@ def _linen_loss(p, bs=_VARS["batch_stats"]):
     return jnp.mean((out - Y) ** 2)
 
 
+@pytest.mark.slow  # about 4 s: first compiles of a flax model
 def test_linen_params_dict_trains_as_optax_and_batch_stats_stay_apart():
     variables = jtu.tree_map(lambda a: a, _VARS)  # a fresh dict, same arrays
     params, bs = variables["params"], variables["batch_stats"]
@@ -464,6 +465,7 @@ def test_nnx_module_implicit_mode_trains_as_nnx_optimizer():
     all_close(_nnx_arrays(m), ref)
 
 
+@pytest.mark.slow  # about 2 s
 def test_nnx_implicit_gradient_in_a_dict_restores_every_leaf():
     box = {"a": jnp.array(2.0), "m": _Nnx(nnx.Rngs(0))}
     before = jtu.tree_leaves(box)
