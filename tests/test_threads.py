@@ -8,6 +8,7 @@ restoring, a tracer could stay in the user's model for good (`LinearizeTracer` i
 """
 
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -103,3 +104,40 @@ def test_an_update_in_one_thread_while_another_traces_over_the_model():
     t.join()
     assert not errors, errors[:3]
     assert model["w"] is w0
+
+
+def test_a_call_waits_for_another_threads_trace_before_reading_its_params():
+    # Was a race: implicit mode read the Params' arrays before taking its turn, so a
+    # call made while another thread traced over the same model read that trace's
+    # tracers as its parameters, and its loss "depended on none of them".
+    model = {"w": jnp.arange(3.0)}
+    ps = tg.params(model)
+    inside, go = threading.Event(), threading.Event()
+    out, errors = {}, []
+
+    def slow():
+        inside.set()
+        go.wait(10)  # the trace is under way: model["w"] holds its tracer
+        return jnp.sum(model["w"] ** 2)
+
+    def run(name, f):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a NoGradientWarning fails the thread
+                out[name] = tg.gradient(f, ps)[model["w"]]
+        except Exception as e:  # reported below
+            errors.append((name, repr(e)))
+
+    first = threading.Thread(target=run, args=("slow", slow))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=run, args=("other", lambda: jnp.sum(model["w"] * 3.0)))
+    second.start()
+    second.join(0.3)  # it reaches its turn while the trace waits
+    go.set()
+    first.join(30)
+    second.join(30)
+    assert not errors, errors
+    np.testing.assert_allclose(out["slow"], 2 * np.arange(3.0))
+    np.testing.assert_allclose(out["other"], jnp.full(3, 3.0))
+    assert not isinstance(model["w"], jax.core.Tracer)

@@ -177,13 +177,19 @@ class _Implicit:
     __slots__ = ("arrays", "entry", "out", "paths")
 
     def __init__(self, program: str, api: str, f: Any, ps: Params, options: Any):
-        self.arrays, self.paths = ps._read()
-        try:
-            self.entry, self.out = C.execute(program, api, options, (f,), (), params=self.arrays)
-        except ValueError as e:
-            if several_devices():
-                different_devices(api, ((repr(k), a) for k, a in ps.named().items()), e)
-            raise
+        # The parameters are read in the call's turn: while another thread traces over
+        # the same model, its places hold that trace's tracers (`_cache.TURN`), which
+        # read here would be taken for the parameters (the loss then "depends on none").
+        with C.TURN:
+            self.arrays, self.paths = ps._read()
+            try:
+                self.entry, self.out = C.execute(
+                    program, api, options, (f,), (), params=self.arrays
+                )
+            except ValueError as e:
+                if several_devices():
+                    different_devices(api, ((repr(k), a) for k, a in ps.named().items()), e)
+                raise
 
     def place(self, values: Any) -> list[Any]:
         """One value per registered parameter: its result, or None where it has none."""
