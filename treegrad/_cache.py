@@ -480,16 +480,19 @@ def clear_cache() -> None:
         >>> import treegrad as tg
         >>> tg.clear_cache()
     """
-    _CACHE.clear()
-    _LRU.clear()
-    _WARNED.clear()
-    _RECENT.clear()
-    _SHAPES.clear()
-    _GROUPS.clear()
-    K.clear()
-    _optguard.clear()
-    for memo in MEMOS:
-        memo.clear()
+    # In a turn of its own: a call in another thread between its lookup and its
+    # `_LRU.move_to_end` would find its entry gone (a KeyError from treegrad's insides).
+    with TURN:
+        _CACHE.clear()
+        _LRU.clear()
+        _WARNED.clear()
+        _RECENT.clear()
+        _SHAPES.clear()
+        _GROUPS.clear()
+        K.clear()
+        _optguard.clear()
+        for memo in MEMOS:
+            memo.clear()
 
 
 def cache_size() -> int:

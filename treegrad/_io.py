@@ -63,6 +63,7 @@ import jax
 import numpy as np
 
 from . import _manifest, _manifestmatch, _manifesttext
+from ._cache import TURN
 from ._manifest import Manifest, display
 from ._manifestmatch import Target
 from ._manifesttext import ManifestError
@@ -155,7 +156,12 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
         >>> tg.load(path, model)["w"]
         Array([1., 1.], dtype=float32)
     """
-    arrays, leaves, data = _manifest.describe(tree)
+    # Read the tree in one turn with treegrad's calls (`_cache.TURN`): a `tg.update_` or
+    # compiled step in another thread rebinds the model's arrays one place at a time,
+    # and a save reading between two rebinds would store half of one step and half of
+    # the next. The arrays themselves are immutable: once read, the file is consistent.
+    with TURN:
+        arrays, leaves, data = _manifest.describe(tree)
     folder = Path(os.fspath(path))
     with _folder_lock(folder):
         _save(folder, tree, arrays, leaves, data)

@@ -64,6 +64,40 @@ def changes_made(frame: list[Any]) -> None:
         redo()
 
 
+_UNKNOWN: Any = object()
+
+
+def _current(put: Any, key: Any) -> Any:
+    """What the place that `put(key, value)` writes holds now (MISSING if nothing;
+    `_UNKNOWN` for a place this cannot read, whose change is then made as before)."""
+    if isinstance(put, functools.partial) and put.func is _put_cell:
+        try:
+            return put.args[0].cell_contents
+        except ValueError:  # an empty cell
+            return MISSING
+    target = getattr(put, "__self__", None)
+    if isinstance(target, dict):
+        return target.get(key, MISSING)
+    if isinstance(target, list):
+        return target[key] if 0 <= key < len(target) else MISSING
+    return _UNKNOWN
+
+
+def _redo_if(put: Any, key: Any, expected: Any, redo: Callable[[], Any]) -> Callable[[], Any]:
+    """`redo`, made only while the place still holds `expected` (what the undo put back).
+    Between the undo of the last run and the end of the call (the compile), another thread
+    may write the place (`cfg["s"] = 3.0` while this thread's call compiles, the place
+    changed during the trace by that thread, not by the function): its write is the
+    newer one and must stay, not be overwritten by the value this trace saw."""
+
+    def redo_unless_rewritten() -> None:
+        now = _current(put, key)
+        if now is expected or now is _UNKNOWN:
+            redo()
+
+    return redo_unless_rewritten
+
+
 class Settle:
     """Compare the places after a trace with what was put there.
 
@@ -119,7 +153,8 @@ class Settle:
         CHANGES[-1][:] = changes
 
     def _change_at(self, put: Callable[[Any, Any], Any], key: Any, old: Any, new: Any) -> None:
-        self.changes.append((functools.partial(put, key, old), functools.partial(put, key, new)))
+        redo = _redo_if(put, key, old, functools.partial(put, key, new))
+        self.changes.append((functools.partial(put, key, old), redo))
 
     def _items(self, node: Seq, v: Any) -> None:
         """Settle a list's or tuple's first items (those it had when the trace began)."""
@@ -218,7 +253,7 @@ class Settle:
                     self.changes.append(
                         (
                             functools.partial(d.__setitem__, key, old),
-                            functools.partial(d.pop, key, None),
+                            _redo_if(d.__setitem__, key, old, functools.partial(d.pop, key, None)),
                         )
                     )
         known = {key for key, _ in items}.union(skipped)
@@ -233,7 +268,9 @@ class Settle:
                 self.changes.append(
                     (
                         functools.partial(d.pop, key, None),
-                        functools.partial(d.__setitem__, key, new),
+                        _redo_if(
+                            d.__setitem__, key, MISSING, functools.partial(d.__setitem__, key, new)
+                        ),
                     )
                 )
         return out
