@@ -171,7 +171,7 @@ def execute(
             ):
                 _warn_valued(entry, roots[0])
             return entry, out
-        except Exception as e:
+        except Exception as e:  # re-raised as it is unless an input was deleted
             # A failed call: an input deleted (donated to an earlier call, `x.delete()`)
             # is named, not left to XLA's "Invalid buffer passed to Execute()".
             deleted = deleted_input(api, program, roots, args)

@@ -76,7 +76,7 @@ def _init(rule: Any, tree: Any, treedef: Any, leaves: Sequence[Any], masked: lis
 
     try:
         return rule.init(tree)
-    except Exception as e:
+    except Exception as e:  # optax's error, re-raised unless explained below (chained)
         called = _callable_tree(rule)
         if called is not None:
             # optax.multi_transform calls its labels when they are callable, and a

@@ -43,7 +43,7 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             # immutable, so rebuilt like one (setattr raised "can't set attribute" from
             # tg.params converting a numpy leaf in it, and from re-tying its outputs).
             # (isinstance narrowed it to `tuple`, which has no `_replace`: a NamedTuple's.)
-            return node._replace(**{key.name: value})  # type: ignore[attr-defined]
+            return node._replace(**{key.name: value})  # type: ignore[attr-defined]  # a NamedTuple's method
         try:
             setattr(node, key.name, value)
         except (AttributeError, dataclasses.FrozenInstanceError):
@@ -262,7 +262,7 @@ def _become(node: Any, changed: dict[int, Any], found: set[int]) -> None:
         # __setstate__ replaces func, args and keywords in place.
         state: Any = copy.__reduce__()[2]
         # (typeshed's functools.partial declares __setstate__ only through __reduce__.)
-        setstate: Any = node.__setstate__  # type: ignore[attr-defined]
+        setstate: Any = node.__setstate__  # type: ignore[attr-defined]  # typeshed: no partial.__setstate__
         setstate(state)
     else:
         _take_contents(node, copy, mine)

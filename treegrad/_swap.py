@@ -359,7 +359,7 @@ class Swap:
         except TypeError:
             # Not writable in place (an immutable pytree): the parent rebinds a new one.
             return jax.tree_util.tree_unflatten(treedef, new)
-        except Exception as e:
+        except Exception as e:  # flax's TraceContextError only; any other re-raised
             # A flax.nnx Variable refuses a value from another trace level
             # (TraceContextError, matched by name: flax is not imported here). The user
             # saw flax's bare error from every implicit-mode call on an nnx.Module; treat
