@@ -174,7 +174,7 @@ def execute(
         except Exception as e:  # re-raised as it is unless an input was deleted
             # A failed call: an input deleted (donated to an earlier call, `x.delete()`)
             # is named, not left to XLA's "Invalid buffer passed to Execute()".
-            deleted = deleted_input(api, program, roots, args)
+            deleted = deleted_input(api, program, roots, args, e)
             if deleted is None:
                 raise
             raise deleted from e

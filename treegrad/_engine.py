@@ -656,15 +656,20 @@ def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:
     return tuple(index.get(id(p), -1) for p in params)
 
 
-def deleted_input(api: str, program: str, roots: tuple[Any, ...], args: Any) -> Exception | None:
+def deleted_input(
+    api: str, program: str, roots: tuple[Any, ...], args: Any, error: BaseException
+) -> Exception | None:
     """After a failed call: the error naming an input array that was deleted, or None.
 
     A buffer donated to an earlier call (`tg.update(..., donate=True)`, a `jax.jit`'s
     `donate_argnums`) or freed by `x.delete()`: XLA refuses it with "Invalid buffer
-    passed to Execute()", jax with "Array has been deleted", and neither says which
-    variable it was. An argument is named by its path, a captured array by the name
-    the function reads it by (walked again: this runs only when a call failed).
+    passed to Execute() ... Buffer has been deleted or donated", jax with "Array has
+    been deleted", and neither says which variable it was. An argument is named by its
+    path, a captured array by the name the function reads it by (walked again: this
+    runs only when a call failed so, never for the user's own errors).
     """
+    if "deleted" not in str(error):
+        return None
 
     def gone(x: Any) -> bool:
         return isinstance(x, jax.Array) and not _jaxpr.is_tracer(x) and x.is_deleted()
