@@ -354,6 +354,7 @@ class Swap:
             if type(v) in IN_PLACE or self.again or held:
                 self._log(lambda: _restore_tree(v, treedef, leaves, {}, self, held))
             return v
+        ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
         try:
             rebind(v, changed)
         except TypeError:
@@ -367,10 +368,8 @@ class Swap:
             # the refusal, so the parent rebinds a new one (as for a frozen pytree).
             if type(e).__name__ != "TraceContextError":
                 raise
-            ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
             _restore_tree(v, treedef, leaves, ours, self, held)
             return jax.tree_util.tree_unflatten(treedef, new)
-        ours = {id(b): a for a, b in zip(leaves, new, strict=True) if a is not b}
         if self.record:
             self.originals.update(ours)
         self._log(lambda: _restore_tree(v, treedef, leaves, ours, self, held))
