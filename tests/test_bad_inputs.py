@@ -965,6 +965,32 @@ ROWS = [
         r"jax\.ShapeDtypeStruct at 'layers\.0\.weight'.*\(a model from jax\.eval_shape\?\)",
     ),
     row(
+        "setup-of-an-abstract-model",
+        lambda c: tg.setup(optax.adam(1e-3), jax.eval_shape(lambda: MLP(jax.random.key(0)))),
+        TypeError,
+        r"tg\.setup: 'layers\.0\.weight' is a jax\.ShapeDtypeStruct \(float32\[8×4\]\), not an "
+        r"array: the model is abstract \(from jax\.eval_shape\?\)",
+    ),
+    row(
+        "params-of-a-random-key",
+        lambda c: tg.params(jax.random.key(0)),
+        ValueError,
+        r"tg\.params: a key<fry> scalar array is not differentiable .*it is a random key, "
+        r"which a model holds as state",
+    ),
+    row(
+        "multi-transform-labels-a-module",
+        lambda c: tg.setup(
+            optax.multi_transform(
+                {"a": optax.sgd(0.1)}, jax.tree_util.tree_map(lambda _: "a", c.model)
+            ),
+            c.model,
+        ),
+        TypeError,
+        r"tg\.setup: the optax rule partition failed to initialise .*a pytree that is callable "
+        r".*param_labels=lambda _: labels",
+    ),
+    row(
         "datasets-batches-size-zero",
         lambda c: datasets.batches(np.ones((4, 2)), np.ones(4), 0),
         ValueError,
