@@ -477,16 +477,14 @@ def test_nnx_implicit_gradient_in_a_dict_restores_every_leaf():
     close(g[box["m"].l1.kernel[...]], rm.l1.kernel[...])
 
 
-_NNX_JIT = (
-    "an implicit step on an nnx.Module compiled by tg.jit (tg.train with a Params too): the "
-    "Swap puts a rebuilt module into the loss's cell (nnx Variables refuse tracers) while "
-    "the Params reads the old module, so treegrad says the loss 'depends on none of the "
-    "parameters' (misleading); should train as nnx.Optimizer or name the nnx limitation"
-)
+# An implicit step on an nnx.Module compiled by tg.jit (tg.train with a Params too) was a
+# strict xfail: the Swap rebuilt the module (nnx Variables refuse tracers) into the loss's
+# cell only, while the Params read the old module ("the loss depends on none of the
+# parameters"). Fixed in _swap.Swap (stand_ins given to every Alias route); see
+# tests/test_fix_xfails_1202f.py.
 
 
 @pytest.mark.slow  # over ~1 s
-@pytest.mark.xfail(strict=True, reason=_NNX_JIT)
 def test_nnx_implicit_tg_jit_step_matches_nnx_optimizer():
     _, ref = _nnx_ref()
     m = _Nnx(nnx.Rngs(0))
@@ -503,7 +501,6 @@ def test_nnx_implicit_tg_jit_step_matches_nnx_optimizer():
 
 
 @pytest.mark.slow  # over ~1 s
-@pytest.mark.xfail(strict=True, reason=_NNX_JIT)
 def test_nnx_train_with_params_matches_nnx_optimizer():
     _, ref = _nnx_ref()
     m = _Nnx(nnx.Rngs(0))

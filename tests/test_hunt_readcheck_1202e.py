@@ -549,7 +549,9 @@ def test_the_check_runs_once_for_a_dict_and_on_every_step_for_loose_arrays(monke
     strict=True,
     reason="false positive: `W, b = ps` (or `W = ps[0]`) unpacked in a per-step function "
     "and closed over by the loss is refused, though the next step unpacks the new arrays; "
-    "Grads.unread cannot tell such a cell from a variable that outlives the step",
+    "Grads.unread cannot tell such a cell from a variable that outlives the step. Making "
+    "it train flips test_locals_unpacked_each_step_are_refused_with_the_workaround_that_"
+    "trains (the same step, asserted refused): the lead must choose which holds",
 )
 @pytest.mark.parametrize("compiled", [False, True])
 def test_locals_unpacked_from_the_params_each_step_train_like_optax(compiled):
@@ -601,8 +603,12 @@ def test_locals_unpacked_each_step_are_refused_with_the_workaround_that_trains()
 
 @pytest.mark.xfail(
     strict=True,
-    reason="false positive uncompiled only: step(*ps, x) with the loss closing over the "
-    "step's arguments is refused, while tg.jit of the same step (LINKED) trains",
+    reason="false positive: step(*ps, x) with the loss closing over the step's arguments "
+    "is refused (tg.jit's step too, since _programs._linked exempts no bare argument "
+    "array): at the first update it cannot be told from step(W, b, x) given stale "
+    "variables (refused, the test below); telling them apart needs the Params to record "
+    "the arrays it hands out (ps[0], iteration) and a check at the next step, see "
+    "tests/test_fix_xfails_1202f.py",
 )
 def test_params_passed_as_step_arguments_each_step_train_uncompiled():
     W, b = _arrays()
@@ -619,11 +625,8 @@ def test_params_passed_as_step_arguments_each_step_train_uncompiled():
         _close(ps.arrays(), want[k])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="false negative compiled only: tg.jit's step(W, b, x) given the stale globals "
-    "is not refused (LINKED exempts argument arrays, _programs.py), while uncompiled it is",
-)
+# Was a strict xfail (a false negative compiled only): LINKED exempted every argument
+# array; now only those reached through an argument container (_programs._linked).
 def test_stale_globals_passed_as_jit_arguments_are_refused_like_uncompiled():
     W, b = _arrays()
     ps = tg.Params([W, b])

@@ -455,7 +455,12 @@ def _holds_arrays(x: Any) -> bool:
 
 def _values(x: Any) -> list[Any]:
     """A plain object's attribute values, read past any __getattribute__ of the user's
-    (the object is only looked at here)."""
+    (the object is only looked at here); a Mapping's values, a deque's or UserList's items
+    (`UserDict(w=w)` as an argument: its arrays sit in `.data`, a silent None too)."""
+    if isinstance(x, (collections.UserDict, collections.ChainMap, types.MappingProxyType)):
+        return list(x.values())
+    if isinstance(x, (collections.deque, collections.UserList)):
+        return list(x)
     try:
         return list(object.__getattribute__(x, "__dict__").values())
     except AttributeError:  # no __dict__: a dataclass with slots, or a builtin value

@@ -19,6 +19,7 @@ import io
 import random
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,10 @@ def consumed(value: Any, is_library: Callable[[type], bool]) -> Any:
 
 
 def _is_iterator(t: type) -> bool:
-    return hasattr(t, "__next__") and not issubclass(t, type)
+    # A weakref.proxy forwards `__next__` whatever it points to: what it points to is
+    # walked (and checked) on its own. Taken for an iterator, a proxy to a model had the
+    # loss "take items from a ProxyType" and traced on every call.
+    return hasattr(t, "__next__") and not issubclass(t, type) and t not in weakref.ProxyTypes
 
 
 # The instances behind the modules' own functions (`random.random`, `np.random.rand`).

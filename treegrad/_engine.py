@@ -407,7 +407,9 @@ class Entry:
                         f"{self.api}: the function reaches a registered parameter "
                         f"({describe_leaf(h)}) through an object treegrad cannot see into "
                         "(e.g. a plain object held by a tg.Module attribute, which the Module "
-                        "keeps as static data), so its gradient cannot be taken. Hold it in a "
+                        "keeps as static data; a collections.deque, ChainMap or "
+                        "MappingProxyType; an Enum member's value), so its gradient cannot be "
+                        "taken. Hold it in a "
                         "tg.Module attribute, a list or a dict (make the object holding it a "
                         "tg.Module), or reach it through a closure variable or a global."
                     )

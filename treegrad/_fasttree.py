@@ -151,6 +151,10 @@ class _Gen(CodeGen):
             d = self._v()
             self.lines.append(f"    {d} = {v}.__dict__")
             self._fail_unless(f"len({d}) == {aux.size}")
+            for name, value in aux.items:
+                # A static value rebound without `Module.__setattr__` (`m.__dict__[k] =`,
+                # `object.__setattr__` on a frozen dataclass Module) keeps the split.
+                self._fail_unless(f"{d}[{name!r}] is {self._k(value)}")
             return self._children(kids, [f"{d}[{n!r}]" for n in aux.names])
         if t in _TUPLE_NODES:
             aux_attr, seq_attr, _ = _TUPLE_NODES[t]

@@ -26,8 +26,8 @@ from . import _programs as P
 from ._grads import Grads
 from ._layout import different_devices, several_devices
 from ._outputs import DYN
-from ._params import NoGradientError, NoGradientWarning, Params
-from ._tree import path_str, user_stacklevel
+from ._params import NoGradientError, NoGradientWarning, Params, refuse_opaque_containers
+from ._tree import path_str, refuse_unsortable, user_stacklevel
 from ._typing import GradientTree, PyTree
 
 
@@ -111,7 +111,14 @@ def _no_params_among(api: str, args: tuple[Any, ...], deep: bool) -> None:
     """Refuse a `Params` or `Grads` given with other arguments, or inside one (`deep`):
     not a pytree, it would be a leaf of explicit mode, and its gradient a silent None."""
     for k, arg in enumerate(args):
-        for leaf in jax.tree_util.tree_leaves(arg) if deep else (arg,):
+        try:
+            pairs = jax.tree_util.tree_leaves_with_path(arg) if deep else [((), arg)]
+        except ValueError as e:  # a dict whose keys jax cannot sort: named
+            refuse_unsortable(api, [(f"argument {k}", arg)], e)
+            raise
+        if deep:
+            refuse_opaque_containers(pairs, api, f"argument {k}")
+        for _, leaf in pairs:
             if type(leaf) is Params:
                 where = "" if leaf is arg else f" inside argument {k} ({type(arg).__name__})"
                 raise TypeError(

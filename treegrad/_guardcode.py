@@ -10,6 +10,7 @@ array.
 
 from __future__ import annotations
 
+import keyword
 import types
 from collections.abc import Callable
 from typing import Any
@@ -132,27 +133,42 @@ class Guard(CodeGen):
             # function changes it: a log it appends to), so it is the function's
             # output, not an input, by this route too.
         elif isinstance(node, Seq):
+            if node.type is list or node.type is tuple:
+                size, item = f"len({v})", f"{v}[{{}}]"
+            else:
+                # A user's subclass: its items as stored, as the walk read them (its own
+                # `__getitem__` or `__len__` may compute what it returns).
+                base = self._k(list if issubclass(node.type, list) else tuple)
+                size, item = f"{base}.__len__({v})", f"{base}.__getitem__({v}, {{}})"
             self._fail_unless(
-                d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
+                d, f"type({v}) is {self._k(node.type)} and {size} == {len(node.items)}"
             )
             for i, child in enumerate(node.items):
-                self._read(d, f"{v}[{i}]", child)
+                self._read(d, item.format(i), child)
         elif isinstance(node, Map):
+            if node.type is dict:
+                keys_of, size, get = f"[*{v}]", f"len({v})", f"{v}.get({{}}, MISSING)"
+            else:
+                # A user's subclass: its entries as stored, as the walk read them (its own
+                # `get`, `__iter__` or `__len__` may compute what it returns).
+                k = self._k(dict)
+                keys_of, size = f"[*{k}.__iter__({v})]", f"{k}.__len__({v})"
+                get = f"{k}.get({v}, {{}}, MISSING)"
             if id(node) in self.ordered:
                 # The keys in order (a function may iterate the dict, a model's too:
                 # layers applied in its order): ~35 ns more than their number, for a
                 # dict of a few keys. A captured dict model rebound to `tg.update`'s
                 # output (whose keys jax sorts) is traced once more, then hits.
                 keys = self._k([key for key, _ in node.items])
-                self._fail_unless(d, f"type({v}) is {self._k(node.type)} and [*{v}] == {keys}")
+                self._fail_unless(d, f"type({v}) is {self._k(node.type)} and {keys_of} == {keys}")
             else:
                 # The number of keys, not their order: the function reorders this
                 # dict itself (its order is the function's output).
                 self._fail_unless(
-                    d, f"type({v}) is {self._k(node.type)} and len({v}) == {len(node.items)}"
+                    d, f"type({v}) is {self._k(node.type)} and {size} == {len(node.items)}"
                 )
             for key, child in node.items:
-                self._read(d, f"{v}.get({self._k(key)}, MISSING)", child)
+                self._read(d, get.format(self._k(key)), child)
         elif isinstance(node, Func):
             if v is None:  # pragma: no cover - only absolute roots are read from no variable
                 raise AssertionError("a function node without a variable")
@@ -454,7 +470,7 @@ class WriteBack(CodeGen):
             for name, c in node.attrs:
                 self._child(
                     c,
-                    f"{obj}.{name}",
+                    _attr(obj, name),
                     d.get(name, MISSING),
                     _assign(f"setattr({obj}, {name!r}, \0)"),
                 )
@@ -495,6 +511,16 @@ class WriteBack(CodeGen):
             self._emit(setter)
 
 
+def _identifier(name: Any) -> bool:
+    """Whether `name` can follow a dot in generated code."""
+    return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
+
+
+def _attr(expr: str, name: str) -> str:
+    """Python reading attribute `name` of `expr` (any string a user set with setattr)."""
+    return f"{expr}.{name}" if _identifier(name) else f"getattr({expr}, {name!r})"
+
+
 def _assign(template: str) -> Callable[[str], str]:
     """Python rebinding a child: `template` with the new value's expression for NUL."""
     return lambda val: template.replace("\0", val)
@@ -511,7 +537,12 @@ def _get(obj: Any, key: Any) -> Any:
 def _step(obj: Any, key: Any, gen: CodeGen) -> str | None:
     """Python reading child `key` of `obj`, or None when it is not addressable."""
     if isinstance(key, jax.tree_util.GetAttrKey):
-        return f".{key.name}"
+        name = key.name
+        if _identifier(name):
+            return f".{name}"
+        # `setattr(m, "layer-1", ...)`: `.layer-1` was generated, a SyntaxError (or
+        # worse, `m.layer - 1`). Read from the instance dict where it lives.
+        return f".__dict__[{name!r}]" if name in getattr(obj, "__dict__", ()) else None
     if isinstance(key, jax.tree_util.SequenceKey):
         return f"[{key.idx}]"
     if isinstance(key, jax.tree_util.DictKey) and isinstance(obj, dict):
@@ -523,6 +554,10 @@ def _set(obj: Any, key: Any, expr: str, val: str, gen: CodeGen) -> str | None:
     """Python rebinding child `key` of `obj` (read as `expr`) in place, or None."""
     from ._module import Module
 
+    if isinstance(obj, tuple):
+        # A NamedTuple's fields have attribute keys, but it is immutable: rebuilt by
+        # the caller's slow path (setting the attribute raised AttributeError).
+        return None
     if isinstance(key, jax.tree_util.GetAttrKey):
         if isinstance(obj, Module):
             # Straight into __dict__: an array replacing an array keeps the Module's

@@ -68,6 +68,7 @@ from ._manifest import Manifest, display
 from ._manifestmatch import Target
 from ._manifesttext import ManifestError
 from ._optview import OptState
+from ._tree import refuse_unsortable
 from ._typing import PyTree
 
 _MANIFEST = "treegrad.json"
@@ -161,7 +162,11 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
     # and a save reading between two rebinds would store half of one step and half of
     # the next. The arrays themselves are immutable: once read, the file is consistent.
     with TURN:
-        arrays, leaves, data = _manifest.describe(tree)
+        try:
+            arrays, leaves, data = _manifest.describe(tree)
+        except ValueError as e:  # a dict whose keys jax cannot sort: named
+            refuse_unsortable("tg.save", [("the tree", tree)], e)
+            raise
     folder = Path(os.fspath(path))
     with _folder_lock(folder):
         _save(folder, tree, arrays, leaves, data)

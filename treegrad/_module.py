@@ -58,6 +58,17 @@ def _kind(t: type, value: Any) -> int:
     return kind
 
 
+def _only_scalars(values: Any) -> bool:
+    """Whether every value is a Python number, string or None, by type (in C)."""
+    return set(map(type, values)) <= _SCALARS_OR_NONE
+
+
+_SCALARS_OR_NONE = frozenset({*_SCALAR_TYPES, type(None)})
+# Types whose `==` is exact: a list of them is compared with one `==` (floats are not:
+# -0.0 == 0.0, and NaN != NaN, which `same_value` keeps apart).
+_EXACT_TYPES = frozenset({int, str, bytes, bool, type(None)})
+
+
 def _is_leaf(value: Any) -> bool:
     return jax.tree_util.all_leaves([value])
 
@@ -69,6 +80,8 @@ def holds_arrays(value: Any) -> bool:
         return kind == 1
     if kind == 2:
         values = value.values() if isinstance(value, dict) else value
+        if _only_scalars(values):  # a vocabulary of 100k strings: one pass in C
+            return False
         return any(holds_arrays(v) for v in values)
     leaves = jax.tree_util.tree_leaves(value)
     return not (len(leaves) == 1 and leaves[0] is value) and any(
@@ -88,13 +101,18 @@ class _Static:
 
     __slots__ = ("_hash", "children", "items", "mutable", "names", "size", "snapshot", "static")
 
-    def __init__(self, names: tuple[str, ...], items: tuple[tuple[str, Any], ...]):
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        items: tuple[tuple[str, Any], ...],
+        owner: Module | None = None,
+    ):
         self.names = names
         self.items = items
         self.static = dict(items)
         self.size = len(names) + len(items)
         self.mutable = not all(_frozen(v) for _, v in items)
-        self.snapshot = tuple((k, _snapshot(v)) for k, v in items) if self.mutable else items
+        self.snapshot = tuple((k, _snapshot(v, owner)) for k, v in items) if self.mutable else items
         # Reads the children out of an instance __dict__ in C.
         if len(names) == 1:
             name = names[0]
@@ -108,6 +126,19 @@ class _Static:
             except TypeError:
                 h.append((k, type(v).__name__))
         self._hash = hash((names, tuple(h)))
+
+    def holds(self, d: dict[str, Any]) -> bool:
+        """Whether the static values are still the ones in `d` (the same objects).
+
+        `Module.__setattr__` drops the cached split, but a value rebound past it
+        (`m.__dict__["scale"] = 5.0`, `vars(m).update(...)`, `object.__setattr__` on a
+        frozen dataclass Module, a subclass's `__setattr__` that skips super()) kept
+        the old value in the split, and the rebuilt model (and the gradient) read it.
+        """
+        for k, v in self.items:  # noqa: SIM110 -- a loop: all() over a generator is ~2x slower
+            if d.get(k, _Static) is not v:
+                return False
+        return True
 
     def __reduce__(self) -> tuple[type[_Static], tuple[Any, ...]]:
         # Rebuilt from what it was made of: `children` is a closure, which pickle
@@ -168,17 +199,43 @@ class _Opaque:
         self.obj = obj
 
 
-def _snapshot(v: Any) -> Any:
+def _snapshot(v: Any, owner: Module | None = None) -> Any:
     if _frozen(v):
         return v
+    # The Module whose static data this is stays itself in the copy (a config object
+    # holding the Module it configures): copied, its own arrays were compared as
+    # static data, and they are tracers while the Module is traced ("the function
+    # changes the static data of the M", a trace on every call). What the Module
+    # holds is compared as its children and static data already.
+    memo = {} if owner is None else {id(owner): owner}
+    if type(v) is list and _only_scalars(v):
+        return list(v)  # immutable items: a shallow copy is a deep one, and much faster
+    if type(v) is dict and _only_scalars(v.values()) and _only_scalars(v):
+        return dict(v)
     try:
-        return copy.deepcopy(v)
+        # Eagerly: a jax array inside static data (a config object holding one, or
+        # holding this Module) is copied while a function is traced too, and the copy
+        # staged into the trace made the array a constant of the jaxpr: "captured
+        # through objects it cannot see into", and for a parameter an error.
+        with jax.ensure_compile_time_eval():
+            return copy.deepcopy(v, memo)
     except (TypeError, copy.Error, AttributeError, RecursionError):
         return _Opaque(v)
 
 
-def _deep_equal(a: Any, b: Any) -> bool:
-    """Value equality that looks into plain objects (whose own `==` is identity)."""
+def _deep_equal(a: Any, b: Any, seen: set[tuple[int, int]] | None = None) -> bool:
+    """Value equality that looks into plain objects (whose own `==` is identity).
+
+    The two sides are snapshots (deep copies) of static data. Objects inside them
+    that compare by identity are never the same object, so a class whose own `==`
+    compares its fields with `==` (a dataclass, `SimpleNamespace`,
+    `argparse.Namespace`) holding one is compared field by field too: else a
+    Module holding such a config was never equal to itself, and implicit mode
+    failed with "a new guard rejected its own function". `seen`: the pairs being
+    compared, so a cycle through static data (a config holding its Module) ends.
+    """
+    if a is b:  # the Module owning the snapshots (`_snapshot`), a shared atomic value
+        return True
     if type(a) is not type(b):
         return False
     if type(a) is _Opaque:
@@ -187,16 +244,46 @@ def _deep_equal(a: Any, b: Any) -> bool:
         # An array inside static data (a plain object holding one): the snapshot is
         # a copy, so compare values; `==` on arrays has no truth value.
         return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+    plain = not callable(a) and hasattr(a, "__dict__")
+    if plain or type(a) in (list, tuple, dict):
+        seen = set() if seen is None else seen
+        if (id(a), id(b)) in seen:
+            return True  # being compared further up: decided there
+        seen.add((id(a), id(b)))
     if type(a) in (list, tuple):
-        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b, strict=True))
+        if len(a) != len(b):
+            return False
+        kinds = list(map(type, a))
+        if set(kinds) <= _EXACT_TYPES:  # one `==` in C (`True == 1`: types compared too)
+            return kinds == list(map(type, b)) and a == b
+        return all(_deep_equal(x, y, seen) for x, y in zip(a, b, strict=True))
     if type(a) is dict:
-        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
-    if not callable(a) and hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:
-        return _deep_equal(vars(a), vars(b))
+        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k], seen) for k in a)
+    if plain:
+        if type(a).__eq__ is not object.__eq__:
+            try:
+                if same_value(a, b):
+                    return True
+            except (TypeError, ValueError, RecursionError):
+                pass  # an `==` that has no truth value, or recurses through a cycle
+            if _slot_state(type(a)):
+                return False  # state outside __dict__: its own `==` decides
+        return _deep_equal(vars(a), vars(b), seen)
     try:
         return same_value(a, b)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return False
+
+
+def _slot_state(cls: type) -> bool:
+    """Whether instances of `cls` keep state in slots (outside their __dict__)."""
+    ignored = {"__dict__", "__weakref__", "_tg_aux"}
+    for klass in cls.__mro__[:-1]:
+        names = klass.__dict__.get("__slots__", ())
+        names = (names,) if isinstance(names, str) else names
+        if any(n not in ignored for n in names):
+            return True
+    return False
 
 
 class _Edited:
@@ -228,7 +315,9 @@ class _Edited:
         return _kind(type(value), value) == 3 and jax.tree_util.all_leaves((value,))
 
 
-def _classify(d: dict[str, Any], edited: _Edited | None = None) -> _Static:
+def _classify(
+    d: dict[str, Any], edited: _Edited | None = None, owner: Module | None = None
+) -> _Static:
     names = []
     static = []
     for k, v in d.items():
@@ -245,7 +334,7 @@ def _classify(d: dict[str, Any], edited: _Edited | None = None) -> _Static:
             names.append(k)
         else:
             static.append((k, v))
-    return _Static(tuple(names), tuple(static))
+    return _Static(tuple(names), tuple(static), owner)
 
 
 def _flatten(module: Module) -> tuple[tuple[Any, ...], _Static]:
@@ -261,9 +350,9 @@ def _flatten(module: Module) -> tuple[tuple[Any, ...], _Static]:
         aux = module._tg_aux
     except AttributeError:
         aux = None
-    if type(aux) is not _Static or aux.size != len(d):
+    if type(aux) is not _Static or aux.size != len(d) or not aux.holds(d):
         edited = aux if type(aux) is _Edited else None
-        aux = _classify(d, edited)
+        aux = _classify(d, edited, module)
         if not aux.mutable:
             object.__setattr__(module, "_tg_aux", aux)
     return aux.children(d), aux
@@ -358,6 +447,9 @@ class Module:
 _REGISTERED: weakref.WeakSet[type] = weakref.WeakSet()
 
 
+_DICT_SLOTS = frozenset({"__dict__", "__weakref__"})
+
+
 def _register(cls: type) -> None:
     """Check a Module class's definition and register it with `jax.tree_util`."""
     if "__slots__" in cls.__dict__ and "__dict__" not in cls.__dict__["__slots__"]:
@@ -365,6 +457,17 @@ def _register(cls: type) -> None:
         raise TypeError(
             f"{cls.__name__} defines __slots__: a tg.Module keeps its attributes in "
             "__dict__, which __slots__ removes. Drop __slots__ from the class."
+        )
+    slots = cls.__dict__.get("__slots__", ())
+    extra = [n for n in ((slots,) if isinstance(slots, str) else slots) if n not in _DICT_SLOTS]
+    if extra:
+        # Beside __dict__: an array there was no child (no gradient, not trained), and
+        # the model rebuilt by unflatten lacked it (an AttributeError in the loss).
+        raise TypeError(
+            f"{cls.__name__} defines __slots__ {tuple(extra)!r}: a tg.Module keeps its "
+            "attributes in __dict__, and an attribute in a slot is not part of the model "
+            "(no gradient, not trained, lost when the model is rebuilt). Drop those names "
+            "from __slots__."
         )
     names = cls.__dict__.get("__trainable__")
     if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):

@@ -27,7 +27,7 @@ import optax
 from ._layout import place_state
 from ._optstate import _Config, _Part
 from ._optstatemap import _statemap
-from ._params import trainable_leaves_with_path
+from ._params import refuse_opaque_containers, trainable_leaves_with_path
 from ._tree import (
     describe_aval,
     describe_leaf,
@@ -36,6 +36,7 @@ from ._tree import (
     is_differentiable,
     is_inexact,
     path_str,
+    refuse_unsortable,
     same_structure,
     unique_by_id,
 )
@@ -179,9 +180,14 @@ def trainable_slots(
     removed from it (`ps.remove(model.emb)`) is not a parameter (-1): the rule
     sees the Params' arrays, as a plain optax user given them would.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(model)
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten(model)
+    except ValueError as e:  # a dict whose keys jax cannot sort: named
+        refuse_unsortable(api, [("the model", model)], e)
+        raise
     trainable = trainable_leaves_with_path(model)
     _refuse_abstract(trainable, api)
+    refuse_opaque_containers(trainable, api)
     places = {id(leaf) for _, leaf in trainable}
     if among is not None:
         wanted = set(map(id, among))

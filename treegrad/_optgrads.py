@@ -200,10 +200,19 @@ def _from_mapping(config: _Config, grads: Grads, m_leaves: list[Any], params: li
         # each trainable place's gradient is its parameter's.
         return config.pick_by_param(grads._grads)
     held = set(map(id, params))
-    if not all(map(held.__contains__, map(id, grads))):
+    # A parameter whose gradient is None is skipped whatever array holds its place now:
+    # one the loss itself replaced while it ran (a running statistic the model keeps,
+    # `m["mean"] = 0.9 * m["mean"] + ...`; nnx's BatchNorm) is no stale gradient.
+    if not all(
+        held.__contains__(id(p))
+        for p, g in zip(grads._params, grads._grads, strict=True)
+        if g is not None
+    ):
         # Never a silent no-op: these gradients belong to arrays the model no longer holds.
         name, x = next(
-            (n, p) for n, p in zip(grads.named(), grads, strict=True) if id(p) not in held
+            (n, p)
+            for n, p, g in zip(grads.named(), grads._params, grads._grads, strict=True)
+            if id(p) not in held and g is not None
         )
         if any(leaf is x for leaf in m_leaves):
             # The model holds it, but the state was set up without it: removed from the

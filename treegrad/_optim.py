@@ -144,6 +144,21 @@ def _check_became_trainable(config: _Config, m_leaves: list[Any], api: str) -> N
     number) and holds one now has no optimiser state: its gradient would be dropped
     and the array never trained, without a word."""
     for p, x in zip(config.undiff, config.pick_undiff(m_leaves), strict=True):
+        if is_differentiable(x) and is_tracer(x):
+            # Inside a jax transformation of the model (a user's jax.jit, lax.scan,
+            # jax.vmap), jax traces a Python or numpy number leaf as an array: the
+            # user changed nothing, so "set the state up again" would mislead.
+            raise ValueError(
+                f"{api}: '{config.paths[p]}' is a traced {describe_leaf(x)} here, but was not "
+                "a floating-point array when the optimiser state was set up (a Python or "
+                "numpy number is static data, never trained): inside jax.jit, jax.lax.scan, "
+                "jax.vmap or another jax transformation of the model, jax traces every leaf, "
+                "Python numbers included, as an array. Compile the step with tg.jit, which "
+                "keeps Python numbers static, or keep such a number out of the model's "
+                "leaves (a static attribute of a tg.Module, a closure variable). (Inside "
+                "tg.jit: the step assigned a traced array there; assign a value of the old "
+                "kind.)"
+            )
         if is_differentiable(x):
             raise ValueError(
                 f"{api}: '{config.paths[p]}' is {describe_leaf(x)}, a trainable array, but "
@@ -179,6 +194,22 @@ def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: st
         for p, i in zip(config.tpos, config.tslot, strict=True):
             if m_leaves[p] is not params[i]:
                 a, b = config.paths[config.first[i]], config.paths[p]
+                if is_tracer(m_leaves[p]) and is_tracer(params[i]):
+                    # Inside a jax transformation of the model (jax.jit, lax.scan,
+                    # jax.vmap): jax passes each place as its own traced array, so the
+                    # user's tie cannot be seen here; "tie them again" would mislead.
+                    raise ValueError(
+                        f"{api}: '{a}' and '{b}' were one array (a tied weight) when the "
+                        "optimiser state was set up, but are two traced arrays here: inside "
+                        "jax.jit, jax.lax.scan, jax.vmap or another jax transformation of the "
+                        "model, jax passes each place of a tied weight as an array of its own, "
+                        "so the tie cannot be kept. Compile the step with tg.jit, which keeps "
+                        "tied weights one array (a Python loop of tg.jit steps in place of "
+                        "lax.scan), or untie the model and set the state up again "
+                        "(tg.setup(rule, model)). (Inside tg.jit the places are one traced "
+                        "array, unless the step assigned one of them a new array: tie them "
+                        "again.)"
+                    )
                 raise ValueError(
                     f"{api}: '{a}' and '{b}' were one array (a tied weight) when the optimiser "
                     "state was set up, and are now two. Tie them again (assign the same array "

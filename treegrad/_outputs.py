@@ -133,7 +133,11 @@ def split_output(out: Any) -> tuple[list[Any], _Aux]:
     arrays = []
     statics = []
     for leaf in leaves:
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        # A numpy scalar (np.float32(0.5)) is static data where it comes in (like a
+        # Python number: not differentiable, keyed by value), so it goes out as it is,
+        # as uncompiled: made a jax.Array it would turn differentiable in the caller's
+        # model after one compiled step, and the next `tg.update` would refuse it.
+        if isinstance(leaf, (jax.Array, np.ndarray)):
             arrays.append(leaf)
             statics.append(DYN)
         else:

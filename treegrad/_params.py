@@ -8,8 +8,10 @@ user assignments; built from standalone arrays, it holds those objects.
 
 from __future__ import annotations
 
+import collections
 import operator
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from typing import Any
 
 import jax
@@ -19,7 +21,15 @@ import numpy as np
 from ._fasttree import Shape
 from ._module import Module
 from ._paths import set_at
-from ._tree import describe_leaf, is_differentiable, path_str, picker, same_structure, unique_by_id
+from ._tree import (
+    describe_leaf,
+    is_differentiable,
+    path_str,
+    picker,
+    refuse_unsortable,
+    same_structure,
+    unique_by_id,
+)
 from ._typing import Model
 
 
@@ -56,7 +66,9 @@ class NoGradientError(ValueError):
 
 
 def _restricted(node: Any) -> bool:
-    return isinstance(node, Module) and type(node).__trainable__ is not None
+    # By type: a weakref.proxy to a Module passes isinstance (it forwards __class__)
+    # but is no Module (a leaf, refused by `refuse_opaque_containers`).
+    return issubclass(type(node), Module) and type(node).__trainable__ is not None
 
 
 def _missing_trainable(tree: Any) -> tuple[str, str, list[str]] | None:
@@ -95,6 +107,96 @@ def trainable_leaves_with_path(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
 
     walk(tree, ())
     return out
+
+
+def _holds_inexact(value: Any) -> bool:
+    """Whether `value` holds a floating or complex array, through dicts, lists, tuples."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return bool(jnp.issubdtype(value.dtype, jnp.inexact))
+    if isinstance(value, dict):
+        return any(_holds_inexact(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_inexact(v) for v in value)
+    return False
+
+
+def _contents(value: Any) -> list[Any]:
+    """What a non-pytree value holds, as far as a user would see it: a Mapping's values,
+    a sequence's or set's items, an object's attributes (empty for anything else)."""
+    if isinstance(value, (str, bytes, jax.Array, np.ndarray)):
+        return []
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, (Sequence, Set, collections.deque)):
+        return list(value)
+    attrs = getattr(value, "__dict__", None)
+    return list(attrs.values()) if isinstance(attrs, dict) and not callable(value) else []
+
+
+def _reaches_inexact(value: Any, depth: int = 4) -> bool:
+    """Whether a float array is among what `value` holds (`_contents`), a few levels deep."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return bool(jnp.issubdtype(value.dtype, jnp.inexact))
+    return depth > 0 and any(_reaches_inexact(v, depth - 1) for v in _contents(value))
+
+
+def _static_holder(
+    node: Any, path: tuple[Any, ...] = (), static: bool = False
+) -> tuple[str, Any, bool] | None:
+    """The first value in `node` that holds float arrays but is no pytree (a leaf, or
+    in a Module's static data): (where, the value, whether a Module keeps it static)."""
+    if isinstance(node, Module):
+        children = _child_names(node)
+        for name, value in vars(node).items():
+            found = _static_holder(
+                value, (*path, jax.tree_util.GetAttrKey(name)), static or name not in children
+            )
+            if found is not None:
+                return found
+        return None
+    flat = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node and isinstance(x, Module)
+    )[0]
+    if len(flat) == 1 and flat[0][1] is node:
+        if not isinstance(node, (jax.Array, np.ndarray)) and _reaches_inexact(node):
+            where = f"'{path_str(path)}' in the model" if path else "the model"
+            return where, node, static
+        return None
+    for p, leaf in flat:
+        found = _static_holder(leaf, (*path, *p), static)
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_opaque_containers(pairs: Any, api: str, what: str = "the model") -> None:
+    """Refuse a leaf that is a dict, list or tuple subclass holding parameters.
+
+    jax flattens dict, list and tuple themselves (and OrderedDict, defaultdict,
+    NamedTuples), not their subclasses: `class Layers(dict)` is one leaf, so the
+    arrays in it got a silent None gradient and were never trained. `pairs`:
+    (path, leaf) of a tree's leaves.
+    """
+    for path, leaf in pairs:
+        if type(leaf) in weakref.ProxyTypes:
+            where = f"'{path_str(path)}' in {what}" if path else what
+            name = leaf.__class__.__name__  # the referent's (a proxy forwards it)
+            raise TypeError(
+                f"{api}: {where} is a weakref.proxy to a {name}, not the {name} itself: to "
+                "jax a proxy is one opaque leaf, so the arrays behind it would get no "
+                f"gradient (None) and never be trained. Pass the {name} itself."
+            )
+        if isinstance(leaf, (dict, list, tuple)) and _holds_inexact(leaf):
+            base = next(b for b in (dict, list, tuple) if isinstance(leaf, b)).__name__
+            name = type(leaf).__name__
+            where = f"'{path_str(path)}' in {what}" if path else what
+            raise TypeError(
+                f"{api}: {where} is a {name}, a subclass of {base} that jax does not "
+                f"flatten: to jax it is one opaque leaf, so the arrays it holds would get no "
+                f"gradient (None) and never be trained. Hold them in a plain {base} "
+                f"({base}(x)), or register {name} as a pytree "
+                "(jax.tree_util.register_pytree_with_keys)."
+            )
 
 
 def _child_names(module: Module) -> set[str]:
@@ -481,7 +583,11 @@ def _checked_source(xs: Any, api: str) -> Any:
                 f"complex arrays are); {hint}"
             )
         return xs
-    flat = jax.tree_util.tree_leaves_with_path(xs)
+    try:
+        flat = jax.tree_util.tree_leaves_with_path(xs)
+    except ValueError as e:  # a dict whose keys jax cannot sort: named
+        refuse_unsortable(api, [(f"the {type(xs).__name__} it was given", xs)], e)
+        raise
     leaves = [v for _, v in flat]
     inner = [path_str(p) for p, v in flat if type(v) is Params]
     if inner:
@@ -491,6 +597,13 @@ def _checked_source(xs: Any, api: str) -> Any:
             f"{api}: the {type(xs).__name__} holds a tg.Params at '{inner[0]}'; a Params is "
             "not a container of parameters to collect. For their union pass the Params and "
             "arrays at the top level, tg.Params([ps, W]), or call ps.add(other)."
+        )
+    refuse_opaque_containers(flat, api, f"the {type(xs).__name__} it was given")
+    if len(leaves) == 1 and leaves[0] is xs and _reaches_inexact(xs):
+        raise TypeError(
+            f"{api} got a {type(xs).__name__} holding arrays, which is no pytree: jax takes it "
+            "for one leaf, so its arrays cannot be collected. Hold them in a dict, a list or "
+            f"a tg.Module, or register {type(xs).__name__} as a pytree."
         )
     if len(leaves) == 1 and leaves[0] is xs:
         raise TypeError(
@@ -519,6 +632,16 @@ def _checked_source(xs: Any, api: str) -> Any:
                 f"{api}: the {type(xs).__name__} holds no differentiable arrays ({what}); "
                 "integer, bool and key arrays are not differentiable. Cast the parameters to "
                 "a floating dtype, or check __trainable__."
+            )
+        hidden = _static_holder(xs)
+        if hidden is not None:
+            where, holder, static = hidden
+            kept = ", and a Module keeps it as static data" if static else ""
+            raise TypeError(
+                f"{api}: {where} is a {type(holder).__name__} holding arrays, which is no "
+                f"pytree: jax takes it for one leaf{kept}, so its arrays are not "
+                "parameters. Hold them in a dict, a list or a tg.Module, or register "
+                f"{type(holder).__name__} as a pytree."
             )
         # An empty model is almost always a mistake; an empty list is how a set starts.
         raise ValueError(

@@ -136,7 +136,7 @@ def _user(
             # function's identity, with what it read then: not this run's tracers.
             forget_bodies()
             _MADE.append([])
-            LINKED.append(frozenset(id(vals[k]) for k in entry.a_links or () if k >= 0))
+            LINKED.append(_linked(entry, vals, args))
             try:
                 if entry.program == CALL:
                     pos, kw = args
@@ -260,6 +260,20 @@ _MADE: list[list[Any]] = []
 # argument (`step(model)` with `ps = tg.params(model)` captured), such an array is
 # given afresh on each call; `tg.update_`'s read check leaves it alone.
 LINKED: list[frozenset[int]] = []
+
+
+def _linked(entry: Entry, vals: list[Any], args: Any) -> frozenset[int]:
+    """The ids of the captured arrays this run is also given as arguments (`LINKED`),
+    but for those given as arguments on their own (`step(W, b, x)`): the caller's
+    variables, which `tg.update_` cannot rebind, stale on the next call as they would
+    be uncompiled (where the read check refuses them). An array reached through an
+    argument container (`step(model)`, `step(ws)`) is read from the container
+    `tg.update_` rebinds in, given afresh on each call."""
+    linked = frozenset(id(vals[k]) for k in entry.a_links or () if k >= 0)
+    if linked and entry.program == CALL:
+        pos, kw = args
+        linked = linked.difference(map(id, (*pos, *kw.values())))
+    return linked
 
 
 def in_user_function() -> bool:

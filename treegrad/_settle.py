@@ -239,10 +239,14 @@ class Settle:
         `of`: the class of the object whose `__dict__` `d` is, for messages (empty
         for a dict's own entries)."""
         out = []
+        # Entries as stored (`dict.__getitem__`): a user's dict subclass's own
+        # `__getitem__` may compute what it returns, which is not a change.
         for key, child in items:
             if key in d:
                 where = _where(key, of)
-                out.append((key, self._entry(child, d[key], d.__setitem__, key, where)))
+                out.append(
+                    (key, self._entry(child, dict.__getitem__(d, key), d.__setitem__, key, where))
+                )
             elif has_places(child):
                 raise Unsettled
             else:
@@ -258,13 +262,15 @@ class Settle:
                     )
         known = {key for key, _ in items}.union(skipped)
         for key in [k for k in d if k not in known]:
-            if self._kept(d[key], d.__setitem__, key):
+            if self._kept(dict.__getitem__(d, key), d.__setitem__, key):
                 out.append((key, Unchecked()))
                 continue
-            added = self._added(d[key], functools.partial(d.pop, key, None), _where(key, of))
+            added = self._added(
+                dict.__getitem__(d, key), functools.partial(d.pop, key, None), _where(key, of)
+            )
             if key in d:  # else removed again: a traced value (`_added`)
                 out.append((key, added))
-                new = d[key]
+                new = dict.__getitem__(d, key)
                 self.changes.append(
                     (
                         functools.partial(d.pop, key, None),
@@ -519,7 +525,9 @@ class Settle:
             node.keywords = self.node(node.keywords, v.keywords)
             return node
         if isinstance(node, Jitted):
-            inner = v if type(v) is types.FunctionType else getattr(v, "__wrapped__", MISSING)
+            # (The inner function where the swap inlined it: a function, or the bound
+            # method or partial of `jax.jit(obj.method)`.)
+            inner = getattr(v, "__wrapped__", MISSING) if type(v) is node.type else v
             node.inner = self.node(node.inner, inner)
             return node
         if isinstance(node, Descr):

@@ -22,6 +22,7 @@ import numpy as np
 
 from ._guard import (
     MISSING,
+    Alias,
     Array,
     Attrs,
     Const,
@@ -107,6 +108,9 @@ class Swap:
         # Where values computed from traced arrays were taken out of a captured pytree
         # whose structure the function changed (`_untrace_containers`), for the warning.
         self.lost: list[str] = []
+        # Pytrees that could not take the tracers in place and were rebuilt (`_tree`),
+        # by the id of the user's object: (the user's, the rebuilt one).
+        self.stand_ins: dict[int, tuple[Any, Any]] = {}
 
     def restore(self) -> None:
         while self.undo:
@@ -179,15 +183,16 @@ class Swap:
         if isinstance(node, Seq):
             if isinstance(v, list):
                 for i, child in enumerate(node.items):
-                    self._set_item(v, i, self.put(child, v[i]), self._forced(child))
+                    self._set_item(v, i, self.put(child, _stored(v, i)), self._forced(child))
                 return v
             items = [self.put(child, x) for child, x in zip(node.items, v, strict=True)]
             if all(a is b for a, b in zip(items, v, strict=True)):
                 return v
-            return type(v)._make(items) if hasattr(v, "_fields") else type(v)(items)
+            made = type(v)._make(items) if hasattr(v, "_fields") else type(v)(items)
+            return self._stand_in(v, made)
         if isinstance(node, Map):
             for key, child in node.items:
-                self._set_item(v, key, self.put(child, v[key]), self._forced(child))
+                self._set_item(v, key, self.put(child, _stored(v, key)), self._forced(child))
             return v
         if isinstance(node, Func):
             self._func(node, v)
@@ -207,7 +212,10 @@ class Swap:
                 v.__setstate__((func, args, v.keywords, getattr(v, "__dict__", None) or None))
             return v
         if isinstance(node, Jitted):
-            inner = v if type(v) is types.FunctionType else v.__wrapped__
+            # (`v` is the inner function itself where an earlier pass inlined it: a
+            # function, or the bound method or partial of `jax.jit(obj.method)`.)
+            jitted = type(v) is node.type
+            inner = v.__wrapped__ if jitted else v
             self.put(node.inner, inner)
             return inner if self.inline else v
         if isinstance(node, Descr):
@@ -249,6 +257,16 @@ class Swap:
             return v
         if isinstance(node, Tree):
             return self._tree(node, v)
+        if isinstance(node, Alias):
+            # An object reached first by another route, where it was rebuilt with the
+            # tracers (an immutable pytree; a flax nnx Module, whose Variables refuse
+            # them): this route gets the same rebuilt object, so every route the
+            # function reads it by (the loss's closure and the Params built from the
+            # module, `tg.params(m)`) holds the same traced arrays. Left as it was, the
+            # Params read the user's arrays while the loss read the tracers: "the loss
+            # depends on none of the parameters" inside tg.jit and tg.train.
+            pair = self.stand_ins.get(id(v))
+            return pair[1] if pair is not None and pair[0] is v and self.record else v
         if isinstance(node, ParamsNode):
             self.put(node.source, v._sources)  # a list: rebound in place
             return v
@@ -280,7 +298,7 @@ class Swap:
         return self.again and type(child) is Array
 
     def _set_item(self, container: Any, key: Any, new: Any, force: bool = False) -> None:
-        old = container[key]
+        old = _stored(container, key)
         if new is not old or force:
             if self.record:  # (not when writing back after a call: nothing to undo)
                 self.undo.append(functools.partial(_put_back, container, key, new, old))
@@ -359,7 +377,7 @@ class Swap:
             rebind(v, changed)
         except TypeError:
             # Not writable in place (an immutable pytree): the parent rebinds a new one.
-            return jax.tree_util.tree_unflatten(treedef, new)
+            return self._stand_in(v, jax.tree_util.tree_unflatten(treedef, new))
         except Exception as e:  # flax's TraceContextError only; any other re-raised
             # A flax.nnx Variable refuses a value from another trace level
             # (TraceContextError, matched by name: flax is not imported here). The user
@@ -369,11 +387,21 @@ class Swap:
             if type(e).__name__ != "TraceContextError":
                 raise
             _restore_tree(v, treedef, leaves, ours, self, held)
-            return jax.tree_util.tree_unflatten(treedef, new)
+            return self._stand_in(v, jax.tree_util.tree_unflatten(treedef, new))
         if self.record:
             self.originals.update(ours)
         self._log(lambda: _restore_tree(v, treedef, leaves, ours, self, held))
         return v
+
+    def _stand_in(self, v: Any, new: Any) -> Any:
+        """`new`, rebuilt in place of the user's `v`: what another route to `v` gets too.
+        `detrace` puts `v` back wherever the function left `new` (a place the trace's
+        settling found holding tracers): the user's own object, not an equal copy, so
+        the routes that reach it stay one object (checked by the guard)."""
+        if self.record:
+            self.stand_ins[id(v)] = (v, new)
+            self.originals[id(new)] = v
+        return new
 
 
 def _slots(v: Any) -> list[tuple[Any, Any]] | None:
@@ -443,6 +471,17 @@ def _put_back(container: Any, key: Any, new: Any, old: Any) -> None:
     for k in keys:
         if _at(container, k) is new:
             container[k] = old
+
+
+def _stored(container: Any, key: Any) -> Any:
+    """`container[key]` as stored, as the walk read it: a user's dict or list subclass's
+    own `__getitem__` (which may compute what it returns: `self.get(k.lower()) * s`)
+    is not run, so a value it computes is never written back in place of the stored one."""
+    if isinstance(container, dict):
+        return dict.__getitem__(container, key)
+    if isinstance(container, list):
+        return list.__getitem__(container, key)
+    return container[key]
 
 
 def _at(container: Any, key: Any) -> Any:

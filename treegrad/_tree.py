@@ -263,3 +263,59 @@ def user_stacklevel() -> int:
 
 def _ours(module: Any) -> bool:
     return isinstance(module, str) and (module == "treegrad" or module.startswith("treegrad."))
+
+
+_UNSORTABLE = "sorting pytree dictionary keys"
+
+
+def refuse_unsortable(api: str, labelled: Sequence[tuple[str, Any]], error: ValueError) -> None:
+    """Raise a TypeError naming the dict whose keys jax failed to sort, when `error` is
+    jax's "Comparator raised exception while sorting pytree dictionary keys" (which
+    names neither the dict nor the fix); return otherwise. `labelled`: (how to name it,
+    tree) for each tree that was flattened."""
+    if _UNSORTABLE not in str(error):
+        return
+    for label, tree in labelled:
+        found = _unsortable(tree, "", set())
+        if found is not None:
+            where, keys = found
+            what = f"the dict at {where.lstrip('.')} in {label}" if where else label
+            kinds = sorted({type(key).__name__ for key in keys})
+            raise TypeError(
+                f"{api}: {what} has keys that cannot be sorted "
+                f"({', '.join(map(repr, keys[:4]))}: {', '.join(kinds)}); jax orders a dict's "
+                "entries by sorting its keys. Use keys that sort (all str, or all int), or a "
+                "collections.OrderedDict, which jax keeps in insertion order."
+            ) from error
+
+
+def _unsortable(node: Any, where: str, seen: set[int]) -> tuple[str, list[Any]] | None:
+    """The first dict (path, keys) in the containers and Modules of `node` whose keys
+    do not sort."""
+    if id(node) in seen:
+        return None
+    seen.add(id(node))
+    if type(node) is dict or type(node).__name__ == "defaultdict":
+        try:
+            sorted(node)
+        except TypeError:
+            return where, list(node)
+    if isinstance(node, dict):
+        items: Iterable[tuple[str, Any]] = ((f"{where}[{k!r}]", v) for k, v in node.items())
+    elif isinstance(node, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(node))
+    elif _is_module(node):
+        items = ((f"{where}.{k}", v) for k, v in vars(node).items())
+    else:
+        return None
+    for w, v in items:
+        found = _unsortable(v, w, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _is_module(node: Any) -> bool:
+    from ._module import Module  # _module imports this module
+
+    return isinstance(node, Module)

@@ -13,6 +13,8 @@ guard.
 from __future__ import annotations
 
 import builtins
+import collections
+import collections.abc
 import enum
 import functools
 import inspect
@@ -372,9 +374,25 @@ class Walk:
                 # __getattribute__ included) walked, with what they read.
                 self._absolute(t)
                 return Same(value)
+        if t not in _BUILTIN_CONTAINERS and _user_container(value):
+            # A user's subclass of a container (a dict with `__missing__`, a NamedTuple
+            # with methods, a set with its own `__contains__`) or a Mapping of the user's:
+            # a read runs its class's code, which may read a global: the class is walked,
+            # its methods with what they read, as any user class met.
+            self._absolute(t)
+            if (
+                isinstance(value, _BUILTIN_CONTAINER_TYPES)
+                and has_instance_dict(value)
+                and vars(value) is not value
+            ):
+                # Its instance attributes (`layers.scale` on a list of layers), which no
+                # item holds: a root of their own, each checked.
+                self.held(vars(value), f"{path}.__dict__")
         if t is list or t is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
             seq = self._memo(value, Seq(t, []))
-            seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(value))
+            # (Its items as stored: a NamedTuple of the user's may define `__iter__`.)
+            items = value if t is list or t is tuple else tuple.__iter__(value)
+            seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(items))
             return seq
         if t is dict:
             self._note_keys(value)
@@ -484,12 +502,13 @@ class Walk:
             self._note_keys(value)
             mapping = self._memo(value, Map(t, []))
             mapping.items.extend(
-                (k, self.node(v, f"{path}[{k!r}]")) for k, v in list(value.items())
+                (k, self.node(v, f"{path}[{k!r}]")) for k, v in list(dict.items(value))
             )
             return mapping
-        if isinstance(value, list):  # a list subclass
+        if isinstance(value, list):  # a list subclass: its items as stored (as the guard)
             seq = self._memo(value, Seq(t, []))
-            seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(value))
+            items = list.__iter__(value)
+            seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(items))
             return seq
         if isinstance(value, (set, frozenset)):
             self._note_keys(value)
@@ -504,14 +523,20 @@ class Walk:
         if is_library(t) and not holds_user_values(t):
             self._library(value)
             self._reads_by_name(value)
-            if callable(value):
+            if callable(value) or t in _METHOD_DESCRIPTORS:
                 # A library wrapper of the user's functions (functools.lru_cache's
-                # __wrapped__, jax.custom_vjp's fwd and bwd rules, custom_jvp's jvp):
-                # what each reads is guarded, as a root of its own.
+                # __wrapped__, jax.custom_vjp's fwd and bwd rules, custom_jvp's jvp, a
+                # partial a staticmethod holds): what each reads is guarded, as a root
+                # of its own.
                 held = getattr(value, "__dict__", {}).values()
                 for fn in (getattr(value, "__wrapped__", None), *held):
-                    if type(fn) is types.FunctionType:
+                    if type(fn) is types.FunctionType or isinstance(fn, functools.partial):
                         self.fixed(fn)
+                if t in _METHOD_DESCRIPTORS:
+                    # A class's partialmethod (its function, and the arguments it holds,
+                    # which can change in place), singledispatchmethod (its dispatcher),
+                    # a property or classmethod of a partial or an attrgetter.
+                    self._held({k: getattr(value, k) for k in _METHOD_DESCRIPTORS[t]}, path)
             return Same(value)
         if has_instance_dict(value) or slot_names(t):
             return self._object(value, path)
@@ -611,6 +636,12 @@ class Walk:
         t = type(value)
         self._absolute(t)
         node = self._memo(value, Obj(Same(t), [], []))
+        if issubclass(t, _VALUE_TYPES):
+            # A user's subclass of an immutable value (`class Mode(str)`, a tuple
+            # subclass): its value is no attribute. Checked by identity as well: another
+            # of the same class and attributes (`Mode("b")` bound over `Mode("a")`) holds
+            # another value.
+            node.ident = Same(value)
         d = getattr(value, "__dict__", None) if has_instance_dict(value) else None
         node.has_dict = d is not None
         self.pending.append(_Pending(node, value, d, path, every_attribute(t)))
@@ -716,6 +747,25 @@ class Walk:
 
 
 _SKIPPED_DESCRIPTORS = (types.MemberDescriptorType, types.GetSetDescriptorType)
+# Method descriptors that are not callable themselves, and what each holds of the user's
+# (a property or classmethod of a function is walked as a method, `_attr`; this is for
+# one of a partial, an `operator.attrgetter`, a callable object).
+_METHOD_DESCRIPTORS: dict[type, tuple[str, ...]] = {
+    functools.partialmethod: ("func", "args", "keywords"),
+    functools.singledispatchmethod: ("dispatcher", "func"),
+    property: ("fget",),
+    classmethod: ("__func__",),
+}
+_BUILTIN_CONTAINERS = frozenset({list, tuple, dict, set, frozenset})
+_BUILTIN_CONTAINER_TYPES = (*_BUILTIN_CONTAINERS, collections.deque, bytearray)
+_VALUE_TYPES = (int, float, complex, str, bytes, tuple)
+_CONTAINERS = (*_BUILTIN_CONTAINER_TYPES, collections.abc.Mapping)
+
+
+def _user_container(value: Any) -> bool:
+    """A container of a user's class (not a library's): a subclass of list, tuple, dict,
+    set, frozenset (a NamedTuple), deque or bytearray, or a Mapping."""
+    return isinstance(value, _CONTAINERS) and not is_library(type(value))
 
 
 class _Pending:
