@@ -36,7 +36,7 @@ from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState, skip_problem
 from ._params import Params
 from ._paths import rebind
-from ._programs import LINKED
+from ._programs import LINKED, in_user_function
 from ._reach import node_types
 from ._tree import describe_leaf, is_differentiable, same_structure, tree_map_shared
 
@@ -194,10 +194,12 @@ def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: st
         for p, i in zip(config.tpos, config.tslot, strict=True):
             if m_leaves[p] is not params[i]:
                 a, b = config.paths[config.first[i]], config.paths[p]
-                if is_tracer(m_leaves[p]) and is_tracer(params[i]):
-                    # Inside a jax transformation of the model (jax.jit, lax.scan,
-                    # jax.vmap): jax passes each place as its own traced array, so the
-                    # user's tie cannot be seen here; "tie them again" would mislead.
+                if is_tracer(m_leaves[p]) and is_tracer(params[i]) and not in_user_function():
+                    # Inside the user's own jax transformation of the model (jax.jit,
+                    # lax.scan, jax.vmap): jax passes each place as its own traced
+                    # array, so the tie cannot be seen here; "tie them again" would
+                    # mislead. (A tg.jit step passes a tied weight as one traced array:
+                    # two there were untied, before the step or in it.)
                     raise ValueError(
                         f"{api}: '{a}' and '{b}' were one array (a tied weight) when the "
                         "optimiser state was set up, but are two traced arrays here: inside "
@@ -206,9 +208,7 @@ def _check_ties(config: _Config, m_leaves: list[Any], params: list[Any], api: st
                         "so the tie cannot be kept. Compile the step with tg.jit, which keeps "
                         "tied weights one array (a Python loop of tg.jit steps in place of "
                         "lax.scan), or untie the model and set the state up again "
-                        "(tg.setup(rule, model)). (Inside tg.jit the places are one traced "
-                        "array, unless the step assigned one of them a new array: tie them "
-                        "again.)"
+                        "(tg.setup(rule, model))."
                     )
                 raise ValueError(
                     f"{api}: '{a}' and '{b}' were one array (a tied weight) when the optimiser "
