@@ -67,10 +67,6 @@ X = jax.random.normal(jax.random.key(1), (5, 3))
 Y = jnp.ones((5, 2))
 OPT = optax.adam(0.05)
 
-# treegrad rebinds an nnx Variable through its key path `.value`, whose setter flax
-# 0.12 deprecates (see tests/test_hunt_foreign_models_1202e.py).
-_NNX_VALUE = pytest.mark.filterwarnings("ignore:'.value' setter is now deprecated")
-
 
 def close(a, b, tol=1e-5):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
@@ -123,7 +119,6 @@ def _global_step(st, ps):
     return step
 
 
-@_NNX_VALUE
 @pytest.mark.slow  # compiles nnx steps (~2 s)
 @pytest.mark.parametrize("where", ["closure", "global"])
 def test_nnx_implicit_tg_jit_step_trains_like_nnx_optimizer_and_compiles_once(where):
@@ -157,7 +152,6 @@ def test_nnx_implicit_tg_jit_step_trains_like_nnx_optimizer_and_compiles_once(wh
     assert [id(a) for a in ps] == [id(a) for a in jtu.tree_leaves(m)]
 
 
-@_NNX_VALUE
 @pytest.mark.slow  # compiles an nnx step (~1 s)
 def test_nnx_train_with_params_trains_like_nnx_optimizer_and_reports_its_losses():
     nnx, Net, loss, params, reference, _ = _nnx()
@@ -344,7 +338,6 @@ def test_stale_gradients_are_still_refused_when_some_gradient_is_none():
     assert all(a is b for a, b in zip(jtu.tree_leaves(state), before[1], strict=True))
 
 
-@_NNX_VALUE
 @pytest.mark.slow  # compiles nnx steps (~2 s)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_nnx_batchnorm_implicit_steps_train_like_nnx_optimizer(compiled):

@@ -57,7 +57,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import warnings
 
 import equinox as eqx
 import jax
@@ -572,9 +571,7 @@ def _id(case):
     [pytest.param(c, marks=() if c in _DEFAULT else pytest.mark.slow, id=_id(c)) for c in _PAIRS],
 )
 def test_pairwise_crossings_match_plain_optax(case, tmp_path):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "'.value' setter")
-        check(case, tmp_path)
+    check(case, tmp_path)
 
 
 def _triples(n, seed=1202):
@@ -935,19 +932,17 @@ def test_nnx_module_with_a_frozen_sub_state_in_update_update_and_train():
         params = optax.apply_updates(params, u)
     want = arrays(nnx.merge(gd, rebuild(params)))
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "'.value' setter")  # flax 0.12, see 1202e
-        m = Net(nnx.Rngs(0))
-        state = tg.setup(rule, m)
-        tg.freeze_(state.l1)
-        for x, y in BATCHES[:3]:
-            tg.update_(state, m, tg.gradient(lambda m: loss(m, x, y), m)[0])  # noqa: B023
-        close(arrays(m), want)
-        m = Net(nnx.Rngs(0))
-        state = tg.setup(rule, m)
-        tg.freeze_(state.l1)
-        _, m, _ = tg.train(loss, m, BATCHES[:3], state)
-        close(arrays(m), want)
+    m = Net(nnx.Rngs(0))
+    state = tg.setup(rule, m)
+    tg.freeze_(state.l1)
+    for x, y in BATCHES[:3]:
+        tg.update_(state, m, tg.gradient(lambda m: loss(m, x, y), m)[0])  # noqa: B023
+    close(arrays(m), want)
+    m = Net(nnx.Rngs(0))
+    state = tg.setup(rule, m)
+    tg.freeze_(state.l1)
+    _, m, _ = tg.train(loss, m, BATCHES[:3], state)
+    close(arrays(m), want)
 
 
 def test_update_in_place_inside_lax_scan_is_refused_naming_tg_jit():

@@ -47,6 +47,7 @@ from ._guard import (
     referent,
 )
 from ._kinds import ARRAY_TYPES, is_array
+from ._paths import get_attr, raw_value
 from ._tree import is_float_like
 
 
@@ -528,7 +529,7 @@ def _assign(template: str) -> Callable[[str], str]:
 
 def _get(obj: Any, key: Any) -> Any:
     if isinstance(key, jax.tree_util.GetAttrKey):
-        return getattr(obj, key.name)
+        return get_attr(obj, key.name)
     if isinstance(key, jax.tree_util.SequenceKey):
         return obj[key.idx]
     return obj[key.key]
@@ -538,6 +539,8 @@ def _step(obj: Any, key: Any, gen: CodeGen) -> str | None:
     """Python reading child `key` of `obj`, or None when it is not addressable."""
     if isinstance(key, jax.tree_util.GetAttrKey):
         name = key.name
+        if raw_value(obj, name):
+            return ".get_raw_value()"
         if _identifier(name):
             return f".{name}"
         # `setattr(m, "layer-1", ...)`: `.layer-1` was generated, a SyntaxError (or
@@ -563,6 +566,8 @@ def _set(obj: Any, key: Any, expr: str, val: str, gen: CodeGen) -> str | None:
             # Straight into __dict__: an array replacing an array keeps the Module's
             # cached split into children and static data (setattr would drop it).
             return f"{expr}.__dict__[{key.name!r}] = {val}"
+        if raw_value(obj, key.name):
+            return f"{expr}.set_raw_value({val})"
         return f"object.__setattr__({expr}, {key.name!r}, {val})"
     if isinstance(key, jax.tree_util.SequenceKey) and type(obj) is list:
         return f"{expr}[{key.idx}] = {val}"

@@ -16,6 +16,7 @@ import numpy as np
 
 from ._grads import Grads
 from ._optstate import _Config
+from ._paths import get_attr
 from ._reach import node_types
 from ._tree import describe_leaf, first_difference, is_none, path_str
 
@@ -136,7 +137,7 @@ def _child(node: Any, key: Any) -> Any:
         ok = isinstance(node, (list, tuple)) and key.idx < len(node)
         return node[key.idx] if ok else _MISSING
     if isinstance(key, jax.tree_util.GetAttrKey):
-        return getattr(node, key.name, _MISSING)
+        return get_attr(node, key.name, _MISSING)
     return _MISSING
 
 

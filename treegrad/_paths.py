@@ -23,9 +23,31 @@ from ._module import _flatten as _module_flatten
 from ._tree import path_str
 
 
+def raw_value(node: Any, name: str) -> bool:
+    """Whether attribute `name` of `node` is a flax nnx Variable's leaf: jax's key path
+    names it `value`, a property whose getter and setter flax 0.12.10 deprecates (a
+    DeprecationWarning on every use) for `get_raw_value`/`set_raw_value`, which read
+    and write the leaf that the Variable's flatten gives. Read by duck type: flax is
+    not imported here."""
+    t = type(node)
+    return (
+        name == "value"
+        and isinstance(getattr(t, "value", None), property)
+        and callable(getattr(t, "set_raw_value", None))
+        and callable(getattr(t, "get_raw_value", None))
+    )
+
+
+def get_attr(node: Any, name: str, *default: Any) -> Any:
+    """`getattr(node, name, *default)`, an nnx Variable's leaf read as flatten reads it."""
+    if raw_value(node, name):
+        return node.get_raw_value()
+    return getattr(node, name, *default)
+
+
 def _child(node: Any, key: Any) -> Any:
     if isinstance(key, GetAttrKey):
-        return getattr(node, key.name)
+        return get_attr(node, key.name)
     if isinstance(key, SequenceKey):
         return node[key.idx]
     if isinstance(key, DictKey):
@@ -45,7 +67,10 @@ def _replaced(node: Any, key: Any, value: Any) -> Any:
             # (isinstance narrowed it to `tuple`, which has no `_replace`: a NamedTuple's.)
             return node._replace(**{key.name: value})  # type: ignore[attr-defined]  # a NamedTuple's method
         try:
-            setattr(node, key.name, value)
+            if raw_value(node, key.name):
+                node.set_raw_value(value)
+            else:
+                setattr(node, key.name, value)
         except (AttributeError, dataclasses.FrozenInstanceError):
             # Frozen dataclass-style models (e.g. equinox) refuse setattr;
             # object.__setattr__ is how their own tree_at-style helpers write.
