@@ -24,7 +24,7 @@ from . import _kinds as K
 from . import _optguard
 from ._call import _BARE, _GROUPS, Call, root_keys, uniq_in_groups
 from ._draws import Draws
-from ._engine import NUMPY_VALUES, Entry, Refit, deleted_input, values_mode
+from ._engine import NUMPY_VALUES, VALUED_SEEN, Entry, Refit, deleted_input, values_mode
 from ._fasttree import Shape
 from ._outputs import DYN, shared_nodes
 from ._paths import _LAST, _SETTERS
@@ -72,7 +72,7 @@ _Slots = tuple[int, ...] | None
 _RECENT: dict[Any, tuple[Shape, _Slots, list[Entry], _Slots, Any, bool]] = {}
 _SHAPES: dict[Any, Shape] = {}
 # Other modules' memos (per code object or type), forgotten by clear_cache too.
-MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES, NUMPY_VALUES, _BARE]
+MEMOS: list[Any] = [_SETTERS, _LAST, _SLOT_NAMES, NUMPY_VALUES, VALUED_SEEN, _BARE]
 # Per function: how many traces in a row changed a value it can read (`_warn_changed`).
 _CHANGING: dict[Any, int] = {}
 MEMOS.append(_CHANGING)
@@ -219,6 +219,7 @@ def _new_run(
         return entry, _first_run(entry, call, params)
     except BaseException as again:  # any: values mode undone; non-numpy ones propagate
         NUMPY_VALUES.pop(key, None)
+        VALUED_SEEN.pop(key, None)
         if not isinstance(again, _NOT_NUMPY):
             raise
     raise error  # it fails either way: the error of the function as the user wrote it

@@ -611,8 +611,10 @@ class Entry:
 # The functions (by `root_keys`) whose captured numpy arrays are read as values: they
 # sort or fill one in place, or a trace with them as inputs failed (`_cache._new`).
 # A jax tracer cannot stand in for a numpy array such a function changes in place.
-# Each with the number of walks since, for `_cache._warn_valued`.
+# Each with the number of walks since that found them changed, for `_cache._warn_valued`.
 NUMPY_VALUES: dict[Any, int] = {}
+# Per function in NUMPY_VALUES: what its numpy values were at its last walk (`_valued`).
+VALUED_SEEN: dict[Any, list[Any]] = {}
 _BOUND = 4096  # functions remembered (forgotten: the next trace fails once more)
 
 
@@ -624,8 +626,6 @@ def _walk(call: Call, params: Sequence[Any] | None = None) -> tuple[Walk, list[A
     keep = frozenset(map(id, params or ()))
     while True:
         as_values = key in NUMPY_VALUES
-        if as_values:
-            NUMPY_VALUES[key] += 1
         walk = Walk(as_values=as_values, keep=keep)
         roots = [walk.root(r) for r in call.roots]
         for cls in node_types(call.a_def):
@@ -641,6 +641,8 @@ def _walk(call: Call, params: Sequence[Any] | None = None) -> tuple[Walk, list[A
             walk.fixed(fn)
         absolute = walk.finish(roots)
         if not (walk.in_place and walk.numpy_places):
+            if as_values:
+                _count_valued(key, walk)
             return walk, roots, absolute
         # `order.sort()` on a tracer would sort a copy and drop it, silently.
         values_mode(key)
@@ -650,7 +652,20 @@ def values_mode(key: Any) -> None:
     """Read the captured numpy arrays of the function filed under `key` as values."""
     if len(NUMPY_VALUES) >= _BOUND:
         NUMPY_VALUES.clear()
+        VALUED_SEEN.clear()
     NUMPY_VALUES[key] = 0
+    VALUED_SEEN.pop(key, None)
+
+
+def _count_valued(key: Any, walk: Walk) -> None:
+    """Count a new trace of a function reading numpy arrays as values when they are not
+    what its last trace read (`_cache._warn_valued` blames them): a trace for a change
+    elsewhere (a helper rebound, a number edited) is not theirs. Digests, not copies,
+    are kept: the entry's guard holds the copies only while the entry lives."""
+    seen = walk.valued_seen()
+    if VALUED_SEEN.get(key) != seen or any(d is None for _, d in seen):
+        NUMPY_VALUES[key] = NUMPY_VALUES.get(key, 0) + 1
+    VALUED_SEEN[key] = seen
 
 
 def _positions(cl_uniq: list[Any], params: Sequence[Any]) -> tuple[int, ...]:

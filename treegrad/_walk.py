@@ -17,6 +17,7 @@ import collections
 import collections.abc
 import enum
 import functools
+import hashlib
 import inspect
 import operator
 import sys
@@ -117,6 +118,7 @@ class Walk:
         self.keep = keep
         self.numpy_places = 0  # numpy arrays given a place (each could be read as a value)
         self.valued: list[str] = []  # the paths of those read as values
+        self.valued_copies: list[np.ndarray] = []  # and the copies compared on each call
         self.in_place = False  # reached code calls numpy's in-place methods (`_codeinfo`)
         self.places = 0
         self.names: list[str] = []  # a readable path per place, for messages
@@ -323,9 +325,23 @@ class Walk:
         if isinstance(value, np.ndarray) and id(value) not in self.keep:
             if self.as_values:
                 self.valued.append(path)
-                return Snap(type(value), value.copy(), copied=True)
+                self.valued_copies.append(value.copy())
+                return Snap(type(value), self.valued_copies[-1], copied=True)
             self.numpy_places += 1
         return self._place(path)
+
+    def valued_seen(self) -> list[tuple[str, Any]]:
+        """What the numpy arrays read as values hold: each path with its array's dtype,
+        shape and contents hashed (None for an object array: its bytes are pointers)."""
+        out: list[tuple[str, Any]] = []
+        for path, a in zip(self.valued, self.valued_copies, strict=True):
+            if a.dtype.hasobject:
+                out.append((path, None))
+                continue
+            data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            digest = hashlib.blake2b(data.data, digest_size=16).digest()
+            out.append((path, (a.dtype.str, a.shape, digest)))
+        return out
 
     def _place(self, path: str) -> Array:
         node = Array(self.places)
