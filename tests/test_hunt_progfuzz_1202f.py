@@ -1527,16 +1527,10 @@ def loss(v):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a list the function appends to AND reads (`len(LOG)` deciding a branch) is "
-    "taken for a log (`_settle.Settle.node`, Seq: a list grown by constant items is "
-    "demoted to Unchecked, its output, appended only when traced), so the compiled "
-    "function reads the length it saw when traced, forever, silently, where uncompiled "
-    "each call reads the length the last one left (a counter: docs/pitfalls.md says a "
-    "counter is traced again each call, with a RetraceWarning). Telling a log from a "
-    "counter needs `_codeinfo` to see the list read other than by `.append`",
-)
+# Was a strict xfail (silent): such a list was taken for a log (its output), so the
+# compiled function read the length it saw when traced, forever. `_codeinfo` now sees
+# the list read other than by `.append` (`read_names`), and `_walk` marks it
+# (`Seq.read`): a counter, traced again on each call, said once.
 def test_a_list_the_function_appends_to_and_reads_is_a_counter():
     log = []
 
@@ -1546,10 +1540,16 @@ def test_a_list_the_function_appends_to_and_reads_is_a_counter():
 
     w = jnp.array([0.3, -0.7, 1.1])
     got = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tg.RetraceWarning)  # the expected outcome warns
+    with pytest.warns(tg.RetraceWarning) as caught:
         for _ in range(4):
             got.append(np.asarray(tg.gradient(loss, w)[0]))
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(
+        "tg.gradient: test_a_list_the_function_appends_to_and_reads_is_a_counter.<locals>.loss "
+        "changes values it can read while traced (closure variable 'log'). Uncompiled, each "
+        "call would read the value the call before left there"
+    )
+    assert len(log) == 4  # appended on every call, as uncompiled
     uncompiled, ref_log = [], []
 
     def reference(v):
@@ -1560,6 +1560,80 @@ def test_a_list_the_function_appends_to_and_reads_is_a_counter():
         for _ in range(4):
             uncompiled.append(np.asarray(jax.grad(reference)(w)))
     np.testing.assert_allclose(np.stack(got), np.stack(uncompiled), rtol=1e-5)
+
+
+COUNTED = []
+
+
+def _seen_so_far():
+    return len(COUNTED)
+
+
+def test_a_list_a_helper_reads_and_the_loss_appends_to_is_a_counter():
+    # The loss only appends; a helper it calls reads the length through its own global.
+    def loss(v):
+        COUNTED.append(1)
+        return jnp.sum(v**2) * (1.0 + _seen_so_far())
+
+    w = jnp.array([0.5, -1.0])
+    COUNTED.clear()
+    with pytest.warns(tg.RetraceWarning, match=r"changes values it can read while traced"):
+        got = [np.asarray(tg.gradient(loss, w)[0]) for _ in range(3)]
+    # Uncompiled: call k (from 1) appends, then reads k: d/dv sum(v^2) (1 + k) = 2v (1 + k).
+    want = [2 * np.asarray(w) * (1 + k) for k in (1, 2, 3)]
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6)
+
+
+class _Trainer:
+    def __init__(self):
+        self.history = []
+
+    def loss(self, v):
+        self.history.append(1)
+        return jnp.sum(v**2) * (1.0 if len(self.history) < 3 else 5.0)
+
+
+def test_a_list_attribute_appended_to_and_read_is_a_counter():
+    t = _Trainer()
+    w = jnp.array([1.0, -2.0])
+    with pytest.warns(tg.RetraceWarning, match=r"\(attribute 'history' of a _Trainer\)"):
+        got = [np.asarray(tg.gradient(t.loss, w)[0]) for _ in range(4)]
+    # Uncompiled: calls 1 and 2 read lengths 1 and 2 (scale 1), calls 3 and 4 scale 5.
+    want = [2 * np.asarray(w) * s for s in (1.0, 1.0, 5.0, 5.0)]
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6)
+    assert len(t.history) == 4
+
+
+def test_a_list_only_appended_to_stays_a_log_traced_once():
+    # The idiom of counting traces: the log is the function's output, not read by it.
+    log = []
+
+    def loss(v):
+        log.append(1)
+        log.extend([2])
+        return jnp.sum(v**3)
+
+    w = jnp.array([0.5, -1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [np.asarray(tg.gradient(loss, w)[0]) for _ in range(3)]
+    np.testing.assert_allclose(np.stack(got), np.stack([3 * np.asarray(w) ** 2] * 3), rtol=1e-6)
+    assert log == [1, 2]  # appended when traced, once, as with jax.jit
+
+    class Logger:
+        def __init__(self):
+            self.log = []
+
+        def loss(self, v):
+            self.log.append(1)
+            return jnp.sum(v**3)
+
+    lg = Logger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            np.testing.assert_allclose(tg.gradient(lg.loss, w)[0], 3 * w**2, rtol=1e-6)
+    assert lg.log == [1]
 
 
 @pytest.mark.xfail(

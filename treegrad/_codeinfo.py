@@ -41,15 +41,32 @@ class _CodeInfo:
     in-place operator to a local name bound to a value it read from elsewhere
     (`b = buf; b += 1`, `for p in params: p -= g`): on a captured numpy array, which
     a jax tracer cannot stand in for (`_walk.Walk.as_values`).
+    `read_names`: the global and closure variable names it loads other than to call
+    `.append` or `.extend` on them: a list only appended to is a log, its output; one
+    also read (`len(log)`) a counter, whose length the next call reads (`_settle`).
+    `read_attrs`: the same for attribute names (`self.log`), with the names its string
+    constants spell (`getattr(self, "log")`).
     """
 
-    __slots__ = ("all_globals", "attrs", "dynamic", "globals", "imports", "in_place", "reads")
+    __slots__ = (
+        "all_globals",
+        "attrs",
+        "dynamic",
+        "globals",
+        "imports",
+        "in_place",
+        "read_attrs",
+        "read_names",
+        "reads",
+    )
 
     def __init__(self, code: types.CodeType):
         names: dict[str, None] = {}
         attrs: set[str] = set()
         reads: set[str] = set()
         dynamic = in_place = by_global_name = imports = False
+        read_names: set[str] = set()
+        read_attrs: set[str] = set()
         words: set[str] = set()  # the identifiers its string constants spell
         modules: set[str] = set()  # its string constants that could name a module
         stack = [code]
@@ -59,6 +76,8 @@ class _CodeInfo:
             aliases: set[str] = set()  # locals bound to a value read from elsewhere
             for i, op in enumerate(ins):
                 name = op.opname
+                if name in _VARIABLE_LOADS and not _appends(ins, i + 1):
+                    read_names.add(op.argval)
                 if name in _STORE_LOCAL and i and ins[i - 1].opname in _ALIAS_SOURCES:
                     aliases.add(_stored(op))
                 elif (
@@ -96,6 +115,8 @@ class _CodeInfo:
                 elif name in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR", "DELETE_ATTR"):
                     attrs.add(op.argval)
                     reads.add(op.argval)
+                    if name != "LOAD_METHOD" and not _appends(ins, i + 1):
+                        read_attrs.add(op.argval)
                     by_global_name = by_global_name or op.argval in _READS_GLOBALS_BY_NAME
                     if op.argval in _EVALUATES and _on_builtins(ins, i):  # builtins.eval
                         source = _source(ins, i + 1)
@@ -141,6 +162,7 @@ class _CodeInfo:
                     words.update(_IDENTIFIER.findall(k))
                     if all(part.isidentifier() for part in k.split(".")):
                         reads.update(k.split("."))
+                        read_attrs.update(k.split("."))
                         modules.add(k)
                     elif "{" in k:  # a format string: "{0.scale}".format(cfg)
                         reads.update(_FORMAT_ATTRIBUTE.findall(k))
@@ -156,6 +178,31 @@ class _CodeInfo:
         self.reads = frozenset(reads)
         self.dynamic = dynamic
         self.in_place = in_place
+        self.read_names = frozenset(read_names)
+        self.read_attrs = frozenset(read_attrs)
+
+
+def _appends(ins: list[dis.Instruction], i: int) -> bool:
+    """Whether instruction `i` takes the method `append` or `extend` of the value loaded
+    just before (`log.append(x)`: 3.11's LOAD_METHOD, 3.12's LOAD_ATTR)."""
+    return (
+        i < len(ins)
+        and ins[i].opname in ("LOAD_METHOD", "LOAD_ATTR")
+        and ins[i].argval in ("append", "extend")
+    )
+
+
+# Instructions that load a global or a closure variable by name.
+_VARIABLE_LOADS = frozenset(
+    {
+        "LOAD_GLOBAL",
+        "LOAD_NAME",
+        "LOAD_DEREF",
+        "LOAD_CLASSDEREF",
+        "LOAD_FROM_DICT_OR_DEREF",
+        "LOAD_FROM_DICT_OR_GLOBALS",
+    }
+)
 
 
 # Instructions that read a global by name (3.12's LOAD_FROM_DICT_OR_GLOBALS: a

@@ -217,11 +217,15 @@ class Alias(Node):
 
 
 class Seq(Node):
-    __slots__ = ("items", "type")
+    """A list or tuple: its items. `read`: a list some walked code reads other than by
+    appending to it (`len(log)`), which makes it a counter, not a log (`_settle`)."""
+
+    __slots__ = ("items", "read", "type")
 
     def __init__(self, typ: type, items: list[Node]):
         self.type: Any = typ
         self.items = items
+        self.read = False
 
 
 class Map(Node):

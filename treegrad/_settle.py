@@ -428,7 +428,8 @@ class Settle:
             if type(v) is not node.type or len(v) != len(node.items):
                 # A list it appends to (a log, `traces.append(1)`), its old items
                 # unchanged: its output. (A tuple rebound longer is a new value.)
-                log = node.type is list and type(v) is list and len(v) > n
+                # (One the code also reads, `len(log)`, is a counter: `Seq.read`.)
+                log = node.type is list and type(v) is list and len(v) > n and not node.read
                 if log:
                     before = len(self.changed), self.cacheable
                     self._items(node, v)

@@ -23,6 +23,7 @@ import operator
 import sys
 import threading
 import types
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -127,6 +128,10 @@ class Walk:
         # The instance attributes the walked code may read (`_CodeInfo.reads`), or all
         # of them (`dynamic`); objects' attributes are walked last, once these are known.
         self.read_names: set[str] = set(PROTOCOL_NAMES)
+        # Attribute names the walked code reads other than to append to (`_CodeInfo.
+        # read_attrs`), and the lists met as attributes: those it reads are counters.
+        self.attr_reads: set[str] = set()
+        self.attr_lists: list[tuple[str, Any]] = []
         self.dynamic = False
         self.pending: list[_Pending] = []
         # Objects used as dict keys or set elements: their identity is what a lookup
@@ -236,6 +241,8 @@ class Walk:
                     ):
                         continue  # a library's function, class or submodule
                     node.attrs.append((name, self._attr(obj, name, value)))
+                    if isinstance(value, list):
+                        self.attr_lists.append((name, value))
                     done[key].add(name)
                     changed = True
             changed = self._walk_pending() or changed
@@ -243,6 +250,8 @@ class Walk:
             changed = self._globals_read() or changed
         for p in self.pending:
             p.node.skipped = [k for k in p.dict or () if k not in p.done]
+        for name, value in self.attr_lists:
+            self._list_read(value, name, self.attr_reads, every=self.dynamic)
         for key, k in self.keyed.items():
             found = self.seen.get(key)
             if found is not None and type(k).__eq__ is object.__eq__:
@@ -558,6 +567,16 @@ class Walk:
             return self._object(value, path)
         return Same(value)
 
+    def _list_read(
+        self, value: Any, name: str, read_names: Collection[str], every: bool = False
+    ) -> None:
+        """Mark a list the code reads by `name` other than by appending to it: a counter
+        (`log.append(1); if len(log) > 3`), not a log (`_settle.Settle.node`)."""
+        if (every or name in read_names) and isinstance(value, list):
+            seq = self.seen.get(id(value))
+            if isinstance(seq, Seq):
+                seq.read = True
+
     def _function(self, fn: types.FunctionType, path: str) -> Func:
         inner = getattr(fn, "__wrapped__", None)
         if inner is not None and inner is not fn:
@@ -573,6 +592,7 @@ class Walk:
                 self.node(module, name)
         self.attr_names.update(info.attrs)
         self.read_names.update(info.reads)
+        self.attr_reads.update(info.read_attrs)
         self.dynamic = self.dynamic or info.dynamic
         self.in_place = self.in_place or info.in_place
         node = self._memo(fn, Func(fn.__code__, id(fn.__globals__)))
@@ -587,10 +607,12 @@ class Walk:
                 node.cells.append(None)
                 continue
             node.cells.append(self.node(value, name))
+            self._list_read(value, name, info.read_names)
         g = fn.__globals__
         for name in info.globals:
             value = g.get(name, MISSING)
             node.globals.append((name, None if value is MISSING else self.node(value, name)))
+            self._list_read(value, name, info.read_names)
             if value is MISSING and name in _BUILTINS and not callable(_BUILTINS[name]):
                 # A value put in `builtins` (`builtins.SCALE = 2.0`): read from there.
                 self.attr_names.add(name)
@@ -672,6 +694,8 @@ class Walk:
                 if k not in p.done and (every or k in self.read_names):
                     p.done.add(k)
                     p.node.attrs.append((k, self.node(v, f"{p.path}.{k}")))
+                    if isinstance(v, list):
+                        self.attr_lists.append((k, v))
                     changed = True
             for name in slot_names(type(p.value)):
                 if name not in p.done and (every or name in self.read_names):
@@ -680,6 +704,8 @@ class Walk:
                     v = getattr(p.value, name, MISSING)
                     if v is not MISSING:
                         p.node.slots.append((name, self.node(v, f"{p.path}.{name}")))
+                        if isinstance(v, list):
+                            self.attr_lists.append((name, v))
         return changed
 
     def _reads_by_name(self, value: Any) -> None:
