@@ -201,8 +201,8 @@ def _next_batch_inside_a_loss(c):
 def _update_params_of_variables(c):
     W, b = c.model.layers[0].weight, c.model.layers[0].bias
     ps = tg.Params([W, b])  # Flux's Params([W, b]): the loss reads the variables
-    grads = tg.gradient(lambda: jnp.sum(c.x @ W.T + b), ps)
-    tg.update_(tg.setup(optax.sgd(0.1), ps), ps, grads)
+    tg.update_(tg.setup(optax.sgd(0.1), ps), ps, tg.gradient(lambda: jnp.sum(c.x @ W.T + b), ps))
+    tg.gradient(lambda: jnp.sum(c.x @ W.T + b), ps)  # W, b: the arrays the update replaced
 
 
 def _dense_given_a_number(c):
@@ -927,8 +927,9 @@ ROWS = [
         "update-in-place-params-of-variables-the-loss-reads",
         _update_params_of_variables,
         TypeError,
-        r"tg\.update_: the loss reads the Params' parameter 0 \(float32\[\d+×\d+\]\) as W, not "
-        r"from the containers the Params holds.*Nothing was changed",
+        r"tg\.gradient: the loss reads, as W, the old array of the Params' parameter 0 "
+        r"\(float32\[\d+×\d+\]\), which tg\.update_ replaced only inside the containers the "
+        r"Params holds.*Nothing was changed",
     ),
     row(
         "grads-plus-a-number",

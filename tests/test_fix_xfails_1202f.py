@@ -217,6 +217,10 @@ def test_a_tuple_reached_by_two_routes_compiles_once_and_stays_fresh(kind):
 
 REFUSED = r"tg\.update_: the loss reads the Params' parameter 0 \(float32\[2×3\]\) as W, "
 NOTHING = r".*never train.*Nothing was changed"
+STALE = (
+    r"tg\.gradient: the loss reads, as W, the old array of the Params' parameter 0 "
+    r"\(float32\[2×3\]\), which tg\.update_ replaced.*never train.*Nothing was changed"
+)
 
 
 def _loose():
@@ -255,10 +259,32 @@ def test_bare_array_arguments_are_refused_compiled_as_uncompiled_changing_nothin
         run = step
     before = jtu.tree_leaves(state)
     args = (W, b) if given == "variables" else (ps[0], ps[1])
+    if how == "uncompiled":
+        # Uncompiled, the first update stands (it read the current arrays); given the
+        # Params' arrays each step it trains, and given the stale variables again the
+        # gradient refuses them (`Params.stale_read`), changing nothing.
+        run(*args, XS)
+        want = _f_step(W, b)
+        np.testing.assert_allclose(ps[0], want[0], rtol=1e-6)
+        if given == "variables":
+            arrays, before = list(ps.arrays()), jtu.tree_leaves(state)
+            with pytest.raises(TypeError, match=STALE):
+                run(*args, XS)
+            assert all(a is c for a, c in zip(ps.arrays(), arrays, strict=True))
+        else:
+            run(ps[0], ps[1], XS)
+            np.testing.assert_allclose(ps[0], _f_step(*want)[0], rtol=1e-5)
+        return
     with pytest.raises(TypeError, match=REFUSED + "not from the containers" + NOTHING):
         run(*args, XS)
     assert ps[0] is W and ps[1] is b
     assert all(a is c for a, c in zip(jtu.tree_leaves(state), before, strict=True))
+
+
+def _f_step(W, b):
+    """One plain SGD step (0.1) of `_f` on XS: the reference."""
+    gW, gb = jax.grad(_f, argnums=(0, 1))(W, b, XS)
+    return W - 0.1 * gW, b - 0.1 * gb
 
 
 @pytest.mark.parametrize("keyword", [False, True])

@@ -265,17 +265,30 @@ def _globals_case():
     return W, b, x, ps, state
 
 
-def test_update_in_place_of_params_the_loss_does_not_read_is_refused_and_changes_nothing():
+def test_params_the_loss_does_not_read_are_refused_at_the_next_gradient_changing_nothing():
     W, b, x, ps, state = _globals_case()
-    before = jax.tree.leaves(state)
-    g = tg.gradient(lambda: jnp.sum((W @ x + b) ** 2), ps)
+    tg.update_(state, ps, tg.gradient(lambda: jnp.sum((W @ x + b) ** 2), ps))
+    # The first step is optax's (the loss read the current arrays)...
+    want = optax.apply_updates(
+        [W, b],
+        optax.adam(0.1).update(
+            jax.grad(lambda ws: jnp.sum((ws[0] @ x + ws[1]) ** 2))([W, b]),
+            optax.adam(0.1).init([W, b]),
+        )[0],
+    )
+    np.testing.assert_allclose(ps[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(ps[1], want[1], rtol=1e-6)
+    # ...and the next, reading W and b, which the update replaced only in the Params, is
+    # refused before any change.
+    arrays, before = list(ps.arrays()), jax.tree.leaves(state)
     with pytest.raises(
         TypeError,
-        match=r"tg\.update_: the loss reads the Params' parameter 0 \(float32\[2×3\]\) as W, "
-        r"not from the containers the Params holds.*never train.*Nothing was changed",
+        match=r"tg\.gradient: the loss reads, as W, the old array of the Params' parameter 0 "
+        r"\(float32\[2×3\]\), which tg\.update_ replaced only inside the containers the "
+        r"Params holds.*never train.*Nothing was changed",
     ):
-        tg.update_(state, ps, g)
-    assert ps[0] is W and ps[1] is b
+        tg.gradient(lambda: jnp.sum((W @ x + b) ** 2), ps)
+    assert all(a is c for a, c in zip(ps.arrays(), arrays, strict=True))
     assert all(a is c for a, c in zip(jax.tree.leaves(state), before, strict=True))
 
 

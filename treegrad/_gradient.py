@@ -26,7 +26,14 @@ from . import _programs as P
 from ._grads import Grads
 from ._layout import different_devices, several_devices
 from ._outputs import DYN
-from ._params import NoGradientError, NoGradientWarning, Params, refuse_opaque_containers
+from ._params import (
+    NoGradientError,
+    NoGradientWarning,
+    Params,
+    UnreadParameterError,
+    refuse_opaque_containers,
+    unread_message,
+)
 from ._tree import path_str, refuse_unsortable, user_stacklevel
 from ._typing import GradientTree, PyTree
 
@@ -197,6 +204,12 @@ class _Implicit:
                 if several_devices():
                     different_devices(api, ((repr(k), a) for k, a in ps.named().items()), e)
                 raise
+            if ps._stale:
+                # An update replaced arrays the loss read outside the Params: still
+                # reading one, it would never train (`_optim._check_read`).
+                stale = ps.stale_read(self.entry.guard.check(f) or ())
+                if stale is not None:
+                    raise UnreadParameterError(unread_message(api, *stale, stale=True))
 
     def place(self, values: Any) -> list[Any]:
         """One value per registered parameter: its result, or None where it has none."""

@@ -313,11 +313,11 @@ class Grads(Mapping[Any, Any]):
                 out.append(grads[i])
         return out
 
-    def unread(self, changed: dict[int, Any], given: frozenset[int]) -> tuple[str, str, Any] | None:
+    def unread(self, changed: dict[int, Any], given: frozenset[int]) -> list[tuple[str, str, Any]]:
         """After `tg.update_` rebound parameters inside a Params' containers (`changed`:
-        old array's id to new array): a parameter the loss reads only where the update
-        did not reach, so that it would keep reading the old array and never train, as
-        (its name, where the loss reads it, the old array); None when there is none.
+        old array's id to new array): the parameters the loss reads only where the update
+        did not reach, so that it would keep reading the old array and never train, each
+        as (its name, where the loss reads it, the old array).
 
         The Params of Flux's `Params([W, b])` with `W` and `b` globals: Julia's update
         mutates the arrays; jax arrays are immutable, so the update rebinds them in the
@@ -332,13 +332,16 @@ class Grads(Mapping[Any, Any]):
             if set(map(id, read)).issuperset(map(id, changed.values())):
                 continue  # it reads every new array: the usual case, in C
             where = {id(a): k for k, a in enumerate(read)}
+            found = []
             for name, p in zip(self._names_list, self._params, strict=True):
                 new = changed.get(id(p))
                 k = where.get(id(p))
                 stale = k is not None and id(new) not in where and id(p) not in given
                 if new is not None and stale:
-                    return name, entry.names[k], p
-        return None
+                    found.append((name, entry.names[k], p))
+            if found:
+                return found
+        return []
 
     def to_tree(self, model: Model) -> GradientTree:
         """The explicit gradient tree for `model`: what `tg.gradient(f, model)` gives.

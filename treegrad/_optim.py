@@ -34,7 +34,7 @@ from ._optstate import _Config, holders
 from ._optstatemap import mixed_skips
 from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState, skip_problem
-from ._params import Params
+from ._params import Params, UnreadParameterError, unread_message
 from ._paths import rebind
 from ._programs import LINKED, in_user_function
 from ._reach import node_types
@@ -563,38 +563,29 @@ def _update_in_place(state: Any, model: Any, grads: Any) -> None:
     state._install(config, leaves)
 
 
-class UnreadParameterError(TypeError):
-    """`tg.update_` refused: the loss reads a parameter where the update cannot reach
-    (`_check_read`). A TypeError; `tg.train` adds the step to its message."""
-
-
 def _check_read(
     grads: Grads, changed: dict[int, Any], ps: Params, src: Any, m_leaves: list[Any], treedef: Any
 ) -> None:
-    """After the arrays were rebound inside the Params' containers: refuse, undoing
-    the rebinding, when the loss reads a parameter only where the update did not reach
-    (`Grads.unread`): it would read the old array on every later step, never training,
-    and the next gradient would be None with no sign of why."""
+    """After the arrays were rebound inside the Params' containers: a parameter the loss
+    reads only where the update did not reach (`Grads.unread`) would be read as the old
+    array on every later step, never training, and the next gradient would be None with
+    no sign of why. Outside a trace the update stands, since the loss read the current
+    arrays, and the Params remembers the old ones: the next gradient refuses a loss
+    still reading one (`Params.stale_read`), while a local unpacked from the Params at
+    each step (`W, b = ps`) reads the new arrays and trains. Inside a compiled step the
+    old arrays are tracers: refused now, undoing the rebinding."""
     unread = grads.unread(changed, frozenset().union(*LINKED))
-    if unread is None:
+    if not unread:
         return
-    name, where, old = unread
+    if not is_tracer(unread[0][2]):
+        ps._retire(unread)
+        return
+    name, where, old = unread[0]
     new_leaves = [changed.get(id(leaf), leaf) for leaf in m_leaves]
     back = {id(changed[id(leaf)]): leaf for leaf in m_leaves if id(leaf) in changed}
     rebind(src, back, (new_leaves, treedef))
     ps._rebound(src)
-    # A standalone array's name is its position in the Params: say so.
-    label = f"parameter {name}" if name.isdigit() else f"parameter {name!r}"
-    raise UnreadParameterError(
-        f"tg.update_: the loss reads the Params' {label} ({describe_leaf(old)}) as "
-        f"{where}, not from the containers the Params holds, so the update would rebind it "
-        "only inside the Params: the loss would keep reading the old array and never train "
-        "(jax arrays are immutable; Flux's update! mutates them). Nothing was changed. Build "
-        "the Params from what the loss reads: a model or dict the loss reads the parameter "
-        "from (ps = tg.params(model), or p = {'W': W} read as p['W'] in the loss). A local "
-        "unpacked from the Params at each step (W, b = ps) reads the same way: read "
-        "ps[0] in the loss instead."
-    )
+    raise UnreadParameterError(unread_message("tg.update_", name, where, old, stale=False))
 
 
 def _is_tracer_in(leaves: Sequence[Any]) -> bool:

@@ -51,6 +51,44 @@ class NoGradientWarning(UserWarning):
     """
 
 
+class UnreadParameterError(TypeError):
+    """The loss reads a parameter where `tg.update_` cannot reach: refused by the update
+    inside a compiled step (`_optim._check_read`), and by the gradient after an update
+    outside one (`Params.stale_read`). A TypeError; `tg.train` adds the step."""
+
+
+def unread_message(api: str, name: str, where: str, old: Any, stale: bool) -> str:
+    """Why a loss reading a parameter outside the Params' containers never trains, and
+    the ways out. `stale`: the gradient found it reading the array an update replaced."""
+    # A standalone array's name is its position in the Params: say so.
+    label = f"parameter {name}" if name.isdigit() else f"parameter {name!r}"
+    if stale:
+        what = (
+            f"{api}: the loss reads, as {where}, the old array of the Params' {label} "
+            f"({describe_leaf(old)}), which tg.update_ replaced only inside the containers "
+            "the Params holds, so the loss would keep reading the old array and never train"
+        )
+    else:
+        what = (
+            f"{api}: the loss reads the Params' {label} ({describe_leaf(old)}) as {where}, "
+            "not from the containers the Params holds, so the update would rebind it only "
+            "inside the Params: the loss would keep reading the old array and never train"
+        )
+    local = (
+        "(A local unpacked from the Params at each step, W, b = ps, reads the new arrays: "
+        "that trains.)"
+        if stale
+        else "Inside a compiled step (tg.jit, tg.train), a local unpacked from the Params "
+        "(W, b = ps) reads the same way: read ps[0] in the loss instead."
+    )
+    return (
+        f"{what} (jax arrays are immutable; Flux's update! mutates them). Nothing was "
+        "changed. Build the Params from what the loss reads: a model or dict the loss reads "
+        "the parameter from (ps = tg.params(model), or p = {'W': W} read as p['W'] in the "
+        f"loss), or read ps[0] in the loss. {local}"
+    )
+
+
 class NoGradientError(ValueError):
     """Raised instead of `NoGradientWarning` when `strict=True`.
 
@@ -232,7 +270,7 @@ class Params:
         (1, True)
     """
 
-    __slots__ = ("_cache", "_proven", "_sources")
+    __slots__ = ("_cache", "_proven", "_sources", "_stale")
     __hash__ = None  # type: ignore[assignment]  # mutable, and equal by contents
 
     def __init__(self, xs: Model = ()):
@@ -251,6 +289,8 @@ class Params:
         self._cache: dict[int, _Reading] = {}
         # Whether `tg.update_` has seen the loss read this Params' containers (`_unproven`).
         self._proven = False
+        # Arrays an update replaced here that the loss read elsewhere (`_retire`).
+        self._stale: dict[int, tuple[Any, str, str]] = {}
         if isinstance(xs, Params):
             self._sources = [list(xs._removed), *xs._sources[1:]]
         elif isinstance(xs, (list, tuple)) and any(isinstance(x, Params) for x in xs):
@@ -277,6 +317,7 @@ class Params:
         self._sources = state["_sources"]
         self._cache = {}
         self._proven = False  # the copy's containers: not yet seen read by the loss
+        self._stale = {}
 
     @property
     def _removed(self) -> list[Any]:
@@ -472,6 +513,32 @@ class Params:
             or (type(src) in (list, tuple) and any(isinstance(v, jax.Array) for v in src))
             for src in self._sources[1:]
         )
+
+    def _retire(self, read: list[tuple[str, str, Any]]) -> None:
+        """Remember, weakly, the old arrays of parameters an update replaced here that
+        the loss read elsewhere (`_optim._check_read`: `W` of `tg.Params([W, b])`), each
+        with its name and where the loss read it. A local unpacked from the Params at
+        each step (`W, b = ps`) reads the new arrays at the next step, and the old ones
+        die with it; a variable that outlives the step keeps reading an old one, which
+        the next gradient refuses (`stale_read`)."""
+        for name, where, old in read:
+            self._stale[id(old)] = (weakref.ref(old), name, where)
+
+    def stale_read(self, read: Sequence[Any]) -> tuple[str, str, Any] | None:
+        """Of the arrays a function reads (`read`): one `_retire` remembers, read without
+        its parameter's current array (a loss that reads both, the old one as an anchor,
+        `jnp.sum((W - W0) ** 2)`, trains), as (the parameter's name, where it was read,
+        the array); None when there is none."""
+        live = {k: v for k, v in self._stale.items() if v[0]() is not None}
+        self._stale = live
+        ids = set(map(id, read))
+        for a in read:
+            hit = live.get(id(a))
+            if hit is not None and hit[0]() is a:
+                now = self.named().get(hit[1])
+                if now is None or id(now) not in ids:
+                    return hit[1], hit[2], a
+        return None
 
     def _unproven(self) -> bool:
         """Whether a source is a plain dict, list or tuple that `tg.update_` has not yet
