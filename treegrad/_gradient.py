@@ -204,7 +204,7 @@ class _Implicit:
                 if several_devices():
                     different_devices(api, ((repr(k), a) for k, a in ps.named().items()), e)
                 raise
-            if ps._stale:
+            if ps._stale and ps.any_stale():
                 # An update replaced arrays the loss read outside the Params: still
                 # reading one, it would never train (`_optim._check_read`).
                 stale = ps.stale_read(self.entry.guard.check(f) or ())

@@ -524,13 +524,18 @@ class Params:
         for name, where, old in read:
             self._stale[id(old)] = (weakref.ref(old), name, where)
 
+    def any_stale(self) -> bool:
+        """Whether an array `_retire` remembers is still alive (the others forgotten)."""
+        if self._stale:
+            self._stale = {k: v for k, v in self._stale.items() if v[0]() is not None}
+        return bool(self._stale)
+
     def stale_read(self, read: Sequence[Any]) -> tuple[str, str, Any] | None:
         """Of the arrays a function reads (`read`): one `_retire` remembers, read without
         its parameter's current array (a loss that reads both, the old one as an anchor,
         `jnp.sum((W - W0) ** 2)`, trains), as (the parameter's name, where it was read,
         the array); None when there is none."""
-        live = {k: v for k, v in self._stale.items() if v[0]() is not None}
-        self._stale = live
+        live = self._stale
         ids = set(map(id, read))
         for a in read:
             hit = live.get(id(a))
