@@ -298,6 +298,24 @@ def test_a_write_of_the_same_value_each_call_is_cached_after_one_more_trace():
 
 def test_a_log_the_function_appends_to_is_its_output_and_not_retraced():
     # The jax.jit idiom, kept: `traces.append(1)` runs when traced, not on every call.
+    log = []
+
+    def f(v):
+        log.append("traced")
+        return jnp.sum(v)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            np.testing.assert_allclose(tg.gradient(f, W)[0], np.ones(W.shape))
+    assert log == ["traced"]
+
+
+def test_a_log_the_function_also_reads_is_a_counter_read_as_uncompiled():
+    # It reads the log's length (into a set here; a branch could read it as well), so
+    # its result may depend on how many calls came before: traced on every call, said
+    # once, and every call sees the length the last one left, as uncompiled. (It was
+    # taken for an output: `seen == {1}`, the length when first traced, forever.)
     log, seen = [], set()
 
     def f(v):
@@ -305,11 +323,12 @@ def test_a_log_the_function_appends_to_is_its_output_and_not_retraced():
         seen.add(len(log))
         return jnp.sum(v)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with pytest.warns(
+        tg.RetraceWarning, match=r"changes values it can read.*closure variable 'log'"
+    ):
         for _ in range(4):
-            tg.gradient(f, W)
-    assert log == ["traced"] and seen == {1}
+            np.testing.assert_allclose(tg.gradient(f, W)[0], np.ones(W.shape))
+    assert log == ["traced"] * 4 and seen == {1, 2, 3, 4}
 
 
 def test_an_entry_the_function_deletes_is_read_as_gone():

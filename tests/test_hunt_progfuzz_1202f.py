@@ -1604,6 +1604,27 @@ def test_a_list_attribute_appended_to_and_read_is_a_counter():
     assert len(t.history) == 4
 
 
+class _Helped:
+    def __init__(self):
+        self.history = []
+
+    def _calls(self):
+        return len(self.history)
+
+    def loss(self, v):
+        self.history.append(1)
+        return jnp.sum(v**2) * self._calls()
+
+
+def test_a_list_attribute_a_sibling_method_reads_is_a_counter():
+    t = _Helped()
+    w = jnp.array([1.0, -2.0])
+    with pytest.warns(tg.RetraceWarning, match=r"\(attribute 'history' of a _Helped\)"):
+        got = [np.asarray(tg.gradient(t.loss, w)[0]) for _ in range(3)]
+    want = [2 * np.asarray(w) * k for k in (1, 2, 3)]  # call k reads length k
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6)
+
+
 def test_a_list_only_appended_to_stays_a_log_traced_once():
     # The idiom of counting traces: the log is the function's output, not read by it.
     log = []

@@ -130,8 +130,13 @@ class Walk:
         self.read_names: set[str] = set(PROTOCOL_NAMES)
         # Attribute names the walked code reads other than to append to (`_CodeInfo.
         # read_attrs`), and the lists met as attributes: those it reads are counters.
+        # Reads by code walked as an attribute of a class or module (its methods,
+        # its functions) count only for that class's instances (`_attr_read`): a
+        # method of another class reading `.history` is not this loss's read.
         self.attr_reads: set[str] = set()
-        self.attr_lists: list[tuple[str, Any]] = []
+        self.owner_reads: dict[int, set[str]] = {}
+        self._owner: Any = None
+        self.attr_lists: list[tuple[str, Any, Any]] = []
         self.dynamic = False
         self.pending: list[_Pending] = []
         # Objects used as dict keys or set elements: their identity is what a lookup
@@ -218,12 +223,12 @@ class Walk:
                 if isinstance(obj, type):
                     for name, value in list(vars(obj).items()):
                         if name not in _SKIP_CLASS_ATTRS and code_of(value) is not None:
-                            attrs.attrs.append((name, self._attr(obj, name, value)))
+                            attrs.attrs.append((name, self._owned(obj, name, value)))
                             done[key].add(name)
                 elif type(vars(obj).get("__getattr__")) is types.FunctionType:
                     # A user module's __getattr__ (PEP 562) answers the names it lacks.
                     getattr_ = vars(obj)["__getattr__"]
-                    attrs.attrs.append(("__getattr__", self._attr(obj, "__getattr__", getattr_)))
+                    attrs.attrs.append(("__getattr__", self._owned(obj, "__getattr__", getattr_)))
                     done[key].add("__getattr__")
             for key, node in nodes.items():
                 if not isinstance(node, Attrs):
@@ -240,9 +245,9 @@ class Walk:
                         and (callable(value) or type(value) is types.ModuleType)
                     ):
                         continue  # a library's function, class or submodule
-                    node.attrs.append((name, self._attr(obj, name, value)))
-                    if isinstance(value, list):
-                        self.attr_lists.append((name, value))
+                    node.attrs.append((name, self._owned(obj, name, value)))
+                    if issubclass(type(value), list):
+                        self.attr_lists.append((name, value, obj))
                     done[key].add(name)
                     changed = True
             changed = self._walk_pending() or changed
@@ -250,8 +255,11 @@ class Walk:
             changed = self._globals_read() or changed
         for p in self.pending:
             p.node.skipped = [k for k in p.dict or () if k not in p.done]
-        for name, value in self.attr_lists:
-            self._list_read(value, name, self.attr_reads, every=self.dynamic)
+        for name, value, owner in self.attr_lists:
+            # (By the names code spells: one read by a computed name, `getattr(o, name)`,
+            # would make every list a counter, a log of each library-like function too.)
+            if self._attr_read(name, owner):
+                self._list_read(value, name, (name,))
         for key, k in self.keyed.items():
             found = self.seen.get(key)
             if found is not None and type(k).__eq__ is object.__eq__:
@@ -567,12 +575,31 @@ class Walk:
             return self._object(value, path)
         return Same(value)
 
-    def _list_read(
-        self, value: Any, name: str, read_names: Collection[str], every: bool = False
-    ) -> None:
+    def _owned(self, obj: Any, name: str, value: Any) -> Node:
+        """`_attr`, with the attributes the code it reaches reads filed under `obj`."""
+        outer, self._owner = self._owner, obj
+        try:
+            return self._attr(obj, name, value)
+        finally:
+            self._owner = outer
+
+    def _attr_read(self, name: str, owner: Any) -> bool:
+        """Whether code may read attribute `name` of `owner` other than by appending to
+        it: code reached from the function (not as another class's or a module's
+        attribute), or a method of `owner`'s class (or of `owner`, a class)."""
+        if name in self.attr_reads:
+            return True
+        if type(owner) is types.ModuleType:
+            return False  # its functions read it as a global (`Func`'s names)
+        # (type(), not isinstance: an object's own __getattribute__ may answer anything.)
+        is_class = issubclass(type(owner), type)
+        classes = type.__getattribute__(owner, "__mro__") if is_class else type(owner).__mro__
+        return any(name in self.owner_reads.get(id(k), ()) for k in classes)
+
+    def _list_read(self, value: Any, name: str, read_names: Collection[str]) -> None:
         """Mark a list the code reads by `name` other than by appending to it: a counter
         (`log.append(1); if len(log) > 3`), not a log (`_settle.Settle.node`)."""
-        if (every or name in read_names) and isinstance(value, list):
+        if name in read_names and issubclass(type(value), list):
             seq = self.seen.get(id(value))
             if isinstance(seq, Seq):
                 seq.read = True
@@ -592,7 +619,10 @@ class Walk:
                 self.node(module, name)
         self.attr_names.update(info.attrs)
         self.read_names.update(info.reads)
-        self.attr_reads.update(info.read_attrs)
+        if self._owner is None:
+            self.attr_reads.update(info.read_attrs)
+        else:
+            self.owner_reads.setdefault(id(self._owner), set()).update(info.read_attrs)
         self.dynamic = self.dynamic or info.dynamic
         self.in_place = self.in_place or info.in_place
         node = self._memo(fn, Func(fn.__code__, id(fn.__globals__)))
@@ -694,8 +724,8 @@ class Walk:
                 if k not in p.done and (every or k in self.read_names):
                     p.done.add(k)
                     p.node.attrs.append((k, self.node(v, f"{p.path}.{k}")))
-                    if isinstance(v, list):
-                        self.attr_lists.append((k, v))
+                    if issubclass(type(v), list):
+                        self.attr_lists.append((k, v, p.value))
                     changed = True
             for name in slot_names(type(p.value)):
                 if name not in p.done and (every or name in self.read_names):
@@ -704,8 +734,8 @@ class Walk:
                     v = getattr(p.value, name, MISSING)
                     if v is not MISSING:
                         p.node.slots.append((name, self.node(v, f"{p.path}.{name}")))
-                        if isinstance(v, list):
-                            self.attr_lists.append((name, v))
+                        if issubclass(type(v), list):
+                            self.attr_lists.append((name, v, p.value))
         return changed
 
     def _reads_by_name(self, value: Any) -> None:
