@@ -1593,17 +1593,6 @@ class _Trainer:
         return jnp.sum(v**2) * (1.0 if len(self.history) < 3 else 5.0)
 
 
-def test_a_list_attribute_appended_to_and_read_is_a_counter():
-    t = _Trainer()
-    w = jnp.array([1.0, -2.0])
-    with pytest.warns(tg.RetraceWarning, match=r"\(attribute 'history' of a _Trainer\)"):
-        got = [np.asarray(tg.gradient(t.loss, w)[0]) for _ in range(4)]
-    # Uncompiled: calls 1 and 2 read lengths 1 and 2 (scale 1), calls 3 and 4 scale 5.
-    want = [2 * np.asarray(w) * s for s in (1.0, 1.0, 5.0, 5.0)]
-    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6)
-    assert len(t.history) == 4
-
-
 class _Helped:
     def __init__(self):
         self.history = []
@@ -1616,13 +1605,24 @@ class _Helped:
         return jnp.sum(v**2) * self._calls()
 
 
-def test_a_list_attribute_a_sibling_method_reads_is_a_counter():
-    t = _Helped()
+@pytest.mark.parametrize(
+    ("cls", "scales"),
+    [
+        # Uncompiled: calls 1 and 2 read lengths 1 and 2 (scale 1), calls 3 and 4 scale 5.
+        (_Trainer, (1.0, 1.0, 5.0, 5.0)),
+        # A sibling method reads the length: call k reads k.
+        (_Helped, (1.0, 2.0, 3.0)),
+    ],
+    ids=["in_the_loss", "in_a_sibling_method"],
+)
+def test_a_list_attribute_appended_to_and_read_is_a_counter(cls, scales):
+    t = cls()
     w = jnp.array([1.0, -2.0])
-    with pytest.warns(tg.RetraceWarning, match=r"\(attribute 'history' of a _Helped\)"):
-        got = [np.asarray(tg.gradient(t.loss, w)[0]) for _ in range(3)]
-    want = [2 * np.asarray(w) * k for k in (1, 2, 3)]  # call k reads length k
+    with pytest.warns(tg.RetraceWarning, match=rf"\(attribute 'history' of a {cls.__name__}\)"):
+        got = [np.asarray(tg.gradient(t.loss, w)[0]) for _ in scales]
+    want = [2 * np.asarray(w) * s for s in scales]
     np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6)
+    assert len(t.history) == len(scales)
 
 
 def test_a_list_only_appended_to_stays_a_log_traced_once():

@@ -23,7 +23,6 @@ import operator
 import sys
 import threading
 import types
-from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -259,7 +258,7 @@ class Walk:
             # (By the names code spells: one read by a computed name, `getattr(o, name)`,
             # would make every list a counter, a log of each library-like function too.)
             if self._attr_read(name, owner):
-                self._list_read(value, name, (name,))
+                self._counter(value)
         for key, k in self.keyed.items():
             found = self.seen.get(key)
             if found is not None and type(k).__eq__ is object.__eq__:
@@ -596,10 +595,10 @@ class Walk:
         classes = type.__getattribute__(owner, "__mro__") if is_class else type(owner).__mro__
         return any(name in self.owner_reads.get(id(k), ()) for k in classes)
 
-    def _list_read(self, value: Any, name: str, read_names: Collection[str]) -> None:
-        """Mark a list the code reads by `name` other than by appending to it: a counter
+    def _counter(self, value: Any) -> None:
+        """Mark a list the code reads other than by appending to it: a counter
         (`log.append(1); if len(log) > 3`), not a log (`_settle.Settle.node`)."""
-        if name in read_names and issubclass(type(value), list):
+        if issubclass(type(value), list):
             seq = self.seen.get(id(value))
             if isinstance(seq, Seq):
                 seq.read = True
@@ -637,12 +636,14 @@ class Walk:
                 node.cells.append(None)
                 continue
             node.cells.append(self.node(value, name))
-            self._list_read(value, name, info.read_names)
+            if name in info.read_names:
+                self._counter(value)
         g = fn.__globals__
         for name in info.globals:
             value = g.get(name, MISSING)
             node.globals.append((name, None if value is MISSING else self.node(value, name)))
-            self._list_read(value, name, info.read_names)
+            if name in info.read_names:
+                self._counter(value)
             if value is MISSING and name in _BUILTINS and not callable(_BUILTINS[name]):
                 # A value put in `builtins` (`builtins.SCALE = 2.0`): read from there.
                 self.attr_names.add(name)
