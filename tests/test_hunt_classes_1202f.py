@@ -22,8 +22,8 @@ Found and fixed here (each test failed before its fix):
 - SILENT None gradient: a dict or list subclass (`class Layers(dict)`) is one opaque
   leaf to jax; a model holding parameters in one got None gradients from tg.gradient,
   and tg.params / tg.setup skipped them (never trained). Now a TypeError naming the
-  path, the class and the fix (`_params.refuse_opaque_containers`, called by
-  `_gradient._no_params_among`, `_params._checked_source`, `_optbuild.trainable_slots`);
+  path, the class and the fix (`_paramsource.refuse_opaque_containers`, called by
+  `_gradient._no_params_among`, `_paramsource.checked_source`, `_optbuild.trainable_slots`);
   a weakref.proxy given as the model likewise (tg.gradient gave (None,), tg.setup an
   AttributeError on `ProxyType.__trainable__`).
 - CRASH: a NamedTuple held by a Module, trained by an implicit step under tg.jit: the

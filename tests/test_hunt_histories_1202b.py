@@ -23,7 +23,7 @@ skipped or frozen parameter keeps its value and its own state entries.
   a time: the user's model lost its tie. With the optimiser state set up on those
   Params, the two places then trained apart, silently; with a state set up before,
   `tg.update_` refused it. Now one jax.Array is made per numpy object
-  (`_params._convert_numpy`).
+  (`_paramsource.convert_numpy`).
 - A gradient with an extra or a missing key, or a list one too long, was refused
   naming the model's first integer leaf ("first difference at 'i'"), where the gradient
   holds `None` as it should: the message now names the key that differs.

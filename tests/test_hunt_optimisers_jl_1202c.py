@@ -336,7 +336,7 @@ def _random_model(rng):
 
 
 def _places(model):
-    from treegrad._params import trainable_leaves_with_path
+    from treegrad._paramsource import trainable_leaves_with_path
 
     return [
         (p, x) for p, x in trainable_leaves_with_path(model) if tg.is_differentiable(x)

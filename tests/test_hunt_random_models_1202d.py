@@ -649,7 +649,7 @@ def test_tied_numpy_leaf_at_a_frozen_place_stays_tied_after_params():
     """Shrunk from the random models: one numpy array at a trainable and at a frozen
     place. tg.params converted only the trainable place: the tie broke, and the frozen
     place kept the old value after every update (a jax.Array there is one object,
-    updated at both places). Fixed in `_params._convert_numpy`."""
+    updated at both places). Fixed in `_paramsource.convert_numpy`."""
     a = np.ones(2, np.float32)
     m = Part([a], [a])
     ps = tg.params(m)

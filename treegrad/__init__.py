@@ -25,8 +25,8 @@ from ._optim import OptState as OptState
 from ._optim import setup as setup
 from ._optim import update as update
 from ._optim import update_ as update_
-from ._params import NoGradientError as NoGradientError
-from ._params import NoGradientWarning as NoGradientWarning
+from ._paramerrors import NoGradientError as NoGradientError
+from ._paramerrors import NoGradientWarning as NoGradientWarning
 from ._params import Params as Params
 from ._params import params as params
 from ._shard import shard as shard

@@ -26,14 +26,14 @@ from . import _programs as P
 from ._grads import Grads
 from ._layout import different_devices, several_devices
 from ._outputs import DYN
-from ._params import (
+from ._paramerrors import (
     NoGradientError,
     NoGradientWarning,
-    Params,
     UnreadParameterError,
-    refuse_opaque_containers,
     unread_message,
 )
+from ._params import Params
+from ._paramsource import refuse_opaque_containers
 from ._tree import path_str, refuse_unsortable, user_stacklevel
 from ._typing import GradientTree, PyTree
 

@@ -543,7 +543,7 @@ def format_tree(tree: Any, name: str | None = None) -> str:
 def _count(tree: Any) -> int:
     """The parameters `tg.params` would collect: each array once (a tied weight is one),
     within `__trainable__`; a ShapeDtypeStruct counts as the array it stands for."""
-    from ._params import trainable_leaves_with_path  # _params imports this module
+    from ._paramsource import trainable_leaves_with_path  # it imports this module
 
     arrays = {
         id(leaf): leaf

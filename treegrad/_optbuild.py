@@ -27,7 +27,7 @@ import optax
 from ._layout import place_state
 from ._optstate import _Config, _Part
 from ._optstatemap import _statemap
-from ._params import refuse_opaque_containers, trainable_leaves_with_path
+from ._paramsource import refuse_opaque_containers, trainable_leaves_with_path
 from ._tree import (
     describe_aval,
     describe_leaf,

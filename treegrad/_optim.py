@@ -34,7 +34,8 @@ from ._optstate import _Config, holders
 from ._optstatemap import mixed_skips
 from ._optstep import BadGradient, clear_steps, shape_changed, step_donating
 from ._optview import Leaf, OptState, SubState, skip_problem
-from ._params import Params, UnreadParameterError, unread_message
+from ._paramerrors import UnreadParameterError, unread_message
+from ._params import Params
 from ._paths import rebind
 from ._programs import LINKED, in_user_function
 from ._reach import node_types

@@ -24,7 +24,9 @@ from ._gradient import withgradient
 from ._grads import Grads
 from ._jit import jit
 from ._optim import OptState, UnreadParameterError, update, update_
-from ._params import NoGradientError, Params, trainable_leaves_with_path
+from ._paramerrors import NoGradientError
+from ._params import Params
+from ._paramsource import trainable_leaves_with_path
 from ._paths import rebind
 from ._shard import DATA, shard_batch
 from ._tree import describe_leaf, path_str
