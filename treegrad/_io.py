@@ -146,7 +146,7 @@ def save(path: str | os.PathLike[str], tree: PyTree) -> None:
             arrays of a dtype a checkpoint cannot store (strings, objects,
             datetime64, float128), a set, frozenset, bytearray or numpy
             masked array (whose value or mask would be lost), or a
-            `tg.Params`, `tg.Grads` or sub-state view (`state.l1`), which hold
+            `tg.Params`, `tg.Grads` or sub-state view (`state.l1`, a `tg.Leaf`), which hold
             references rather than arrays; nothing is written then.
 
     Examples:

@@ -174,9 +174,11 @@ class Jitted:
         # named static: keyed by its hash alone, a value it reads (a number in a dict,
         # a global) could change under an old trace. Other static values are keyed by
         # value, a Module by its static data too (by identity, an attribute edited in
-        # place would reuse a trace made with the old one).
+        # place would reuse a trace made with the old one). A static pytree holding arrays
+        # (a Module with weights) is guarded like a captured one: keyed by its identity,
+        # its static data edited in place would reuse the old trace, a stale result.
         for i, a in enumerate(args):
-            if _is_function(a):
+            if _is_function(a) or (i in static_at and _holds_arrays(a)):
                 if i in static_at:
                     _hashed(a, f"argument {i}")
                 pos.append(P.RootArg(len(roots) - 1))
@@ -190,7 +192,7 @@ class Jitted:
                 pos.append(a)
         kw: dict[str, Any] = {}
         for k, a in kwargs.items():
-            if _is_function(a):
+            if _is_function(a) or (k in self._static_names and _holds_arrays(a)):
                 if k in self._static_names:
                     _hashed(a, f"argument {k!r}")
                 kw[k] = P.RootArg(len(roots) - 1)
@@ -282,6 +284,16 @@ def _options_key(donate: Any, donate_names: Any, in_shardings: Any, out_sharding
 # The argument types seen that are not functions: checked for all arguments in C.
 _NOT_FUNCTIONS: set[type] = set()
 C.MEMOS.append(_NOT_FUNCTIONS)
+
+
+def _holds_arrays(a: Any) -> bool:
+    """Whether a static argument is a pytree holding arrays (a Module with weights): it is
+    guarded and traced through like a captured one, its arrays inputs and its static data
+    checked at each call, rather than keyed by its identity."""
+    leaves, treedef = jax.tree_util.tree_flatten(a)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return False
+    return any(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
 
 
 def _is_function(a: Any) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ._grads import Grads
 from ._jaxpr import is_tracer, weakly_typed
-from ._optview import SubState
+from ._optview import Leaf, SubState
 from ._params import Params
 from ._tree import path_str
 
@@ -173,6 +173,7 @@ def describe(
     leaves: list[LeafRecord] = []
     index: dict[int, int] = {}
     seen: dict[tuple[str, ...], str] = {}
+    check_no_leaf_view(tree, api)
     containers = container_names(tree)
     for (keys, path, leaf), inside in zip(leaves_with_keys(tree), containers, strict=True):
         if keys in seen:
@@ -253,6 +254,25 @@ def check_not_data(leaf: Any, path: str, api: str) -> None:
             raise TypeError(
                 f"{api}: '{display(path)}' is a {t.__name__}, which a checkpoint does not "
                 f"store (its value would be lost). Save it as {instead}."
+            )
+
+
+def check_no_leaf_view(tree: Any, api: str) -> None:
+    """Refuse a `tg.Leaf` (`state.l1.weight`), in the tree saved or in `like`.
+
+    A Leaf is a view of one parameter's part of the whole optax state, and a pytree
+    node whose child is that view: saved, it would store a copy of the view, and a
+    load would hand back a bare optax state tuple, not a Leaf, changing no state.
+    """
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Leaf))
+    for path, leaf in found[0]:
+        if isinstance(leaf, Leaf):
+            where = f" at '{display(path_str(path))}'" if path else ""
+            raise TypeError(
+                f"{api}: got the optimiser state of one parameter{where} (a tg.Leaf such as "
+                "state.l1.weight, a view into the whole state), which a checkpoint does not "
+                "store. Save the whole state, tg.save(path, state), and load it with "
+                "tg.load(path, tg.setup(rule, model))."
             )
 
 

@@ -24,6 +24,7 @@ from ._manifest import (
     _is_key,
     _value_type,
     check_concrete,
+    check_no_leaf_view,
     check_not_params,
     container_names,
     describe_array,
@@ -60,6 +61,7 @@ def match(
     for a saved Python value, None to keep `like`'s leaf) and a function that
     rebuilds `like`'s structure from new leaves.
     """
+    check_no_leaf_view(like, api)
     saved = {r.keys: r for r in m.leaves}
     out: list[Target | LeafRecord | None] = []
     owner: dict[int, tuple[str, int]] = {}  # id of a like array -> (first path, its array)

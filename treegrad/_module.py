@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.tree_util import GetAttrKey
 
-from ._tree import describe_leaf, is_differentiable, same_value
+from ._tree import describe_leaf, is_differentiable, iterable_leaf, same_value
 
 _ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
 # What `jax.eval_shape` puts where a model has arrays: a `like` for `tg.load` is
@@ -83,7 +83,7 @@ def holds_arrays(value: Any) -> bool:
         if _only_scalars(values):  # a vocabulary of 100k strings: one pass in C
             return False
         return any(holds_arrays(v) for v in values)
-    leaves = jax.tree_util.tree_leaves(value)
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=iterable_leaf)
     return not (len(leaves) == 1 and leaves[0] is value) and any(
         isinstance(leaf, _ARRAY_LIKE) for leaf in leaves
     )

@@ -48,7 +48,7 @@ from ._jaxpr import is_tracer
 from ._kinds import has_instance_dict, is_array, is_pytree_node
 from ._paths import IN_PLACE, rebind, rebind_value
 from ._reach import slot_names
-from ._tree import same_structure
+from ._tree import iterable_leaf, same_structure
 
 
 class Unsettled(Exception):
@@ -628,9 +628,10 @@ def _key_paths(treedef: Any) -> list[Any] | None:
 
 
 def _leaves(value: Any) -> list[Any]:
-    """`value`'s leaves; an iterator it holds (one the function keeps) is a leaf, as jax
-    takes it today with a DeprecationWarning (an error in later jax)."""
-    return jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
+    """`value`'s leaves; an iterator it holds (one the function keeps) or a dict's values
+    view (`vals = cfg.values()`, read by the function) is a leaf, as jax takes it today
+    with a DeprecationWarning (an error in later jax)."""
+    return jax.tree_util.tree_leaves(value, is_leaf=iterable_leaf)
 
 
 def _holds_tracer(value: Any) -> bool:
@@ -640,7 +641,3 @@ def _holds_tracer(value: Any) -> bool:
     except (TypeError, ValueError):  # a pytree that cannot flatten (a dict of unsortable keys)
         return True  # it may hold one: treated as one, so no tracer can stay behind
     return any(map(is_tracer, leaves))
-
-
-def _is_iterator(x: Any) -> bool:
-    return hasattr(type(x), "__next__")

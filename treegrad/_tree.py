@@ -84,6 +84,17 @@ def _dtype_name(dtype: Any) -> str:
         return str(dtype)
 
 
+_VALUES_VIEW: type = type({}.values())
+
+
+def iterable_leaf(x: Any) -> bool:
+    """An iterator (a data loader a Module keeps, one the function holds) or a dict's
+    values view (`vals = cfg.values()`): a leaf, as jax takes it today with a
+    DeprecationWarning (an error in a later jax), told to `tree_leaves(is_leaf=)` so
+    that nothing warns."""
+    return type(x) is _VALUES_VIEW or hasattr(type(x), "__next__")
+
+
 def is_none(x: Any) -> bool:
     return x is None
 
