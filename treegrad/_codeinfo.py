@@ -42,8 +42,9 @@ class _CodeInfo:
     (`b = buf; b += 1`, `for p in params: p -= g`): on a captured numpy array, which
     a jax tracer cannot stand in for (`_walk.Walk.as_values`).
     `read_names`: the global and closure variable names it loads other than to call
-    `.append` or `.extend` on them: a list only appended to is a log, its output; one
-    also read (`len(log)`) a counter, whose length the next call reads (`_settle`).
+    `.append`, `.extend`, `.add` or `.update` on them: a list (set, deque) only added
+    to is a log, its output; one also read (`len(log)`) a counter, whose length the
+    next call reads (`_settle`).
     `read_attrs`: the same for attribute names (`self.log`), with the names its string
     constants spell (`getattr(self, "log")`).
     """
@@ -183,12 +184,12 @@ class _CodeInfo:
 
 
 def _appends(ins: list[dis.Instruction], i: int) -> bool:
-    """Whether instruction `i` takes the method `append` or `extend` of the value loaded
-    just before (`log.append(x)`: 3.11's LOAD_METHOD, 3.12's LOAD_ATTR)."""
+    """Whether instruction `i` takes a method that only adds to the value loaded just
+    before (`log.append(x)`, `seen.add(k)`: 3.11's LOAD_METHOD, 3.12's LOAD_ATTR)."""
     return (
         i < len(ins)
         and ins[i].opname in ("LOAD_METHOD", "LOAD_ATTR")
-        and ins[i].argval in ("append", "extend")
+        and ins[i].argval in ("append", "extend", "add", "update")
     )
 
 

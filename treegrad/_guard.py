@@ -104,7 +104,7 @@ class Snap(Node):
     queue of batches, a read-only view of functions) is compared item by item by
     identity (`Held`)."""
 
-    __slots__ = ("as_dict", "copied", "held", "type", "value")
+    __slots__ = ("as_dict", "copied", "held", "read", "type", "value")
 
     def __init__(
         self,
@@ -119,6 +119,9 @@ class Snap(Node):
         self.as_dict = as_dict
         self.copied = copied  # a numpy array read as a value: traced on a copy (`Swap`)
         self.held = held
+        # A set or deque some walked code reads other than by adding to it (`len(seen)`):
+        # a counter, not a log (`_settle`, as `Seq.read`).
+        self.read = False
 
     def equal(self, v: Any) -> bool:
         if type(v) is not self.type:

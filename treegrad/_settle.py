@@ -392,8 +392,9 @@ class Settle:
                 return node
             if type(v) is node.type and len(v) < node.size():
                 self._took(v)
-            # A set or deque it adds to (a log), its old items kept: its output.
-            return self._demote(node, v, log=_grew(node, v))
+            # A set or deque it adds to (a log), its old items kept: its output. (One the
+            # code also reads, `len(seen)`, is a counter: `Snap.read`.)
+            return self._demote(node, v, log=_grew(node, v) and not node.read)
         if isinstance(node, Same):
             return node if v is node.get() else self._demote(node, v)
         if isinstance(node, Unchecked):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import collections
 import collections.abc
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -93,6 +94,14 @@ _SKIP_CLASS_ATTRS = frozenset(
 )
 
 
+# Methods a library puts on every class it makes that only a library calls:
+# Python 3.13's dataclasses set `__replace__ = dataclasses._replace` (called by
+# `copy.replace`, a library that reads any attribute anyway). Walked as a method, that
+# library function made every attribute of every user class and module count as read
+# (`_library`): any global changed traced again. Spelled by the code
+# (`obj.__replace__(...)`), it is walked as an attribute read (`finish`). Compared by
+# identity (a class attribute may be unhashable).
+_LIBRARY_METHODS: dict[str, Any] = {"__replace__": getattr(dataclasses, "_replace", None)}
 _BUILTINS = vars(builtins)
 
 
@@ -136,6 +145,15 @@ class Walk:
         self.owner_reads: dict[int, set[str]] = {}
         self._owner: Any = None
         self.attr_lists: list[tuple[str, Any, Any]] = []
+        # Whether the value `node` walks next is reached by a name the code spells (a
+        # global, a closure variable, an attribute: `_by_name`). A list reached any
+        # other way (an item of a dict or list, a partial's argument, a default, a
+        # bound method's owner) is read by code the walk cannot tell from an append
+        # (`d["log"]`, `partial(len, log)`): a counter (`Seq.read`), never a log.
+        self._named = False
+        # The Snap nodes of each set or deque met (not memoised: each reach has its own),
+        # for `_counter`.
+        self.snaps: dict[int, list[Snap]] = {}
         self.dynamic = False
         self.pending: list[_Pending] = []
         # Objects used as dict keys or set elements: their identity is what a lookup
@@ -221,7 +239,11 @@ class Walk:
                 done[key] = set()
                 if isinstance(obj, type):
                     for name, value in list(vars(obj).items()):
-                        if name not in _SKIP_CLASS_ATTRS and code_of(value) is not None:
+                        if (
+                            name not in _SKIP_CLASS_ATTRS
+                            and code_of(value) is not None
+                            and _LIBRARY_METHODS.get(name, MISSING) is not value
+                        ):
                             attrs.attrs.append((name, self._owned(obj, name, value)))
                             done[key].add(name)
                 elif type(vars(obj).get("__getattr__")) is types.FunctionType:
@@ -245,7 +267,7 @@ class Walk:
                     ):
                         continue  # a library's function, class or submodule
                     node.attrs.append((name, self._owned(obj, name, value)))
-                    if issubclass(type(value), list):
+                    if issubclass(type(value), list) or type(value) in _ADDED_TO:
                         self.attr_lists.append((name, value, obj))
                     done[key].add(name)
                     changed = True
@@ -335,7 +357,7 @@ class Walk:
         if fn is not None and fn is not value:
             attr = "fget" if isinstance(value, property) else "__func__"
             return Descr(type(value), attr, self.node(fn, path))
-        return self.node(value, path)
+        return self._by_name(value, path)
 
     def _array(self, value: Any, path: str) -> Node:
         if isinstance(value, np.ndarray) and id(value) not in self.keep:
@@ -379,7 +401,15 @@ class Walk:
         else:
             self.absolute.setdefault(id(obj), obj)
 
+    def _by_name(self, value: Any, path: str) -> Node:
+        """`node` for a value the code reaches by a name it spells (a global, a closure
+        variable, an attribute): a list reached so is a log unless that code reads it
+        other than by appending (`_counter`)."""
+        self._named = True
+        return self.node(value, path)
+
     def node(self, value: Any, path: str) -> Node:
+        named, self._named = self._named, False
         t = type(value)
         if t in CONST_TYPES:
             return Const(value)
@@ -388,6 +418,8 @@ class Walk:
             return self._array(value, path)
         prior = self.seen.get(id(value))
         if prior is not None:
+            if not named and isinstance(prior, Seq):
+                prior.read = True  # a list also reached not by a name (`_named`)
             return Alias(prior)
         # A random state or a library iterator, or its bound method (`rng.normal`).
         source = consumed(value, is_library)
@@ -422,6 +454,7 @@ class Walk:
                 self.held(vars(value), f"{path}.__dict__")
         if t is list or t is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
             seq = self._memo(value, Seq(t, []))
+            seq.read = not named  # (`_named`)
             # (Its items as stored: a NamedTuple of the user's may define `__iter__`.)
             items = value if t is list or t is tuple else tuple.__iter__(value)
             seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(items))
@@ -539,12 +572,17 @@ class Walk:
             return mapping
         if isinstance(value, list):  # a list subclass: its items as stored (as the guard)
             seq = self._memo(value, Seq(t, []))
+            seq.read = not named  # (`_named`)
             items = list.__iter__(value)
             seq.items.extend(self.node(v, f"{path}[{i}]") for i, v in enumerate(items))
             return seq
         if isinstance(value, (set, frozenset)):
             self._note_keys(value)
         snap = snapshot(value)
+        if snap is not None and type(value) in _ADDED_TO:
+            snap.read = not named  # (`_named`)
+            self.snaps.setdefault(id(value), []).append(snap)
+            self._keep.append(value)
         if snap is not None:
             if snap.held is not None:
                 self._held(dict(value) if snap.as_dict else dict(enumerate(value)), path)
@@ -602,6 +640,8 @@ class Walk:
             seq = self.seen.get(id(value))
             if isinstance(seq, Seq):
                 seq.read = True
+        for snap in self.snaps.get(id(value), ()):
+            snap.read = True  # a set or deque
 
     def _function(self, fn: types.FunctionType, path: str) -> Func:
         inner = getattr(fn, "__wrapped__", None)
@@ -635,13 +675,13 @@ class Walk:
             except ValueError:  # a name not assigned yet
                 node.cells.append(None)
                 continue
-            node.cells.append(self.node(value, name))
+            node.cells.append(self._by_name(value, name))
             if name in info.read_names:
                 self._counter(value)
         g = fn.__globals__
         for name in info.globals:
             value = g.get(name, MISSING)
-            node.globals.append((name, None if value is MISSING else self.node(value, name)))
+            node.globals.append((name, None if value is MISSING else self._by_name(value, name)))
             if name in info.read_names:
                 self._counter(value)
             if value is MISSING and name in _BUILTINS and not callable(_BUILTINS[name]):
@@ -724,8 +764,8 @@ class Walk:
             for k, v in list(p.dict.items()) if p.dict is not None else ():
                 if k not in p.done and (every or k in self.read_names):
                     p.done.add(k)
-                    p.node.attrs.append((k, self.node(v, f"{p.path}.{k}")))
-                    if issubclass(type(v), list):
+                    p.node.attrs.append((k, self._by_name(v, f"{p.path}.{k}")))
+                    if issubclass(type(v), list) or type(v) in _ADDED_TO:
                         self.attr_lists.append((k, v, p.value))
                     changed = True
             for name in slot_names(type(p.value)):
@@ -734,8 +774,8 @@ class Walk:
                     changed = True
                     v = getattr(p.value, name, MISSING)
                     if v is not MISSING:
-                        p.node.slots.append((name, self.node(v, f"{p.path}.{name}")))
-                        if issubclass(type(v), list):
+                        p.node.slots.append((name, self._by_name(v, f"{p.path}.{name}")))
+                        if issubclass(type(v), list) or type(v) in _ADDED_TO:
                             self.attr_lists.append((name, v, p.value))
         return changed
 
@@ -747,7 +787,13 @@ class Walk:
         if names is None:
             self.dynamic = True
         else:
-            self.read_names.update(part for name in names for part in name.split("."))
+            parts = {part for name in names for part in name.split(".")}
+            self.read_names.update(parts)
+            # Read other than by appending: a list there is a counter (`_attr_read`).
+            if self._owner is None:
+                self.attr_reads.update(parts)
+            else:
+                self.owner_reads.setdefault(id(self._owner), set()).update(parts)
 
     def _holder(self, value: Any, kind: str, path: str) -> Node:
         """A weak reference, weak proxy or ContextVar: what it holds, read through it."""
@@ -830,6 +876,10 @@ _METHOD_DESCRIPTORS: dict[type, tuple[str, ...]] = {
     classmethod: ("__func__",),
 }
 _BUILTIN_CONTAINERS = frozenset({list, tuple, dict, set, frozenset})
+# The containers other than lists that a function may only add to (a log) or also
+# read (a counter): `Snap.read`.
+_ADDED_TO = (set, collections.deque)
+
 _BUILTIN_CONTAINER_TYPES = (*_BUILTIN_CONTAINERS, collections.deque, bytearray)
 _VALUE_TYPES = (int, float, complex, str, bytes, tuple)
 _CONTAINERS = (*_BUILTIN_CONTAINER_TYPES, collections.abc.Mapping)
