@@ -32,7 +32,7 @@ from ._paramerrors import (
     UnreadParameterError,
     unread_message,
 )
-from ._params import Params
+from ._params import RETIRED, Params
 from ._paramsource import refuse_opaque_containers
 from ._tree import path_str, refuse_unsortable, user_stacklevel
 from ._typing import GradientTree, PyTree
@@ -204,12 +204,18 @@ class _Implicit:
                 if several_devices():
                     different_devices(api, ((repr(k), a) for k, a in ps.named().items()), e)
                 raise
-            if ps._stale and ps.any_stale():
-                # An update replaced arrays the loss read outside the Params: still
-                # reading one, it would never train (`_optim._check_read`).
+            if (ps._stale or RETIRED) and ps.any_stale():
+                # An update replaced arrays the loss read outside the Params (this one or
+                # another): still reading one, it would never train (`_optim._check_read`).
                 stale = ps.stale_read(self.entry.guard.check(f) or ())
                 if stale is not None:
-                    raise UnreadParameterError(unread_message(api, *stale, stale=True))
+                    name, where, old, other = stale
+                    # Said once: a loop the user fixes next may build its Params over
+                    # the same array, and must not be refused for this one's mistake.
+                    RETIRED.pop(id(old), None)
+                    raise UnreadParameterError(
+                        unread_message(api, name, where, old, stale=True, other=other)
+                    )
 
     def place(self, values: Any) -> list[Any]:
         """One value per registered parameter: its result, or None where it has none."""

@@ -579,7 +579,7 @@ def _check_read(
     if not unread:
         return
     if not is_tracer(unread[0][2]):
-        ps._retire(unread)
+        ps._retire(unread, changed)
         return
     name, where, old = unread[0]
     new_leaves = [changed.get(id(leaf), leaf) for leaf in m_leaves]

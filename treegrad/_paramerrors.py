@@ -33,12 +33,22 @@ class UnreadParameterError(TypeError):
     outside one (`Params.stale_read`). A TypeError; `tg.train` adds the step."""
 
 
-def unread_message(api: str, name: str, where: str, old: Any, stale: bool) -> str:
+def unread_message(
+    api: str, name: str, where: str, old: Any, stale: bool, other: bool = False
+) -> str:
     """Why a loss reading a parameter outside the Params' containers never trains, and
-    the ways out. `stale`: the gradient found it reading the array an update replaced."""
+    the ways out. `stale`: the gradient found it reading the array an update replaced;
+    `other`: an update of another Params replaced it."""
     # A standalone array's name is its position in the Params: say so.
     label = f"parameter {name}" if name.isdigit() else f"parameter {name!r}"
-    if stale:
+    if other:
+        what = (
+            f"{api}: the loss reads, as {where}, an array ({describe_leaf(old)}) that an "
+            f"earlier tg.update_ replaced, as the {label} of the Params it updated, only "
+            "inside the containers that Params holds; a Params built again from the same "
+            "variables starts from the old array at every step, so the loss would never train"
+        )
+    elif stale:
         what = (
             f"{api}: the loss reads, as {where}, the old array of the Params' {label} "
             f"({describe_leaf(old)}), which tg.update_ replaced only inside the containers "

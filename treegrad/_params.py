@@ -28,6 +28,19 @@ from ._tree import (
 )
 from ._typing import Model
 
+# The arrays `Params._retire` remembers, of every Params: id -> (the old array and the
+# array that replaced it, both weakly; the parameter's name; where the loss read it). A
+# Params built again at each step from the same variables has no memory of its own.
+RETIRED: dict[int, tuple[Any, Any, str, str]] = {}
+
+
+def _weak(x: Any) -> Any:
+    """A weak reference to `x`, or one that is always dead (None, or no weakref)."""
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return lambda: None
+
 
 class Params:
     """An ordered identity set of parameters: `tg.Params(xs)`, same as `tg.params(xs)`.
@@ -300,35 +313,51 @@ class Params:
             for src in self._sources[1:]
         )
 
-    def _retire(self, read: list[tuple[str, str, Any]]) -> None:
+    def _retire(self, read: list[tuple[str, str, Any]], changed: dict[int, Any]) -> None:
         """Remember, weakly, the old arrays of parameters an update replaced here that
         the loss read elsewhere (`_optim._check_read`: `W` of `tg.Params([W, b])`), each
-        with its name and where the loss read it. A local unpacked from the Params at
-        each step (`W, b = ps`) reads the new arrays at the next step, and the old ones
-        die with it; a variable that outlives the step keeps reading an old one, which
-        the next gradient refuses (`stale_read`)."""
+        with its name and where the loss read it; `changed`: old array's id to the new
+        array. A local unpacked from the Params at each step (`W, b = ps`) reads the new
+        arrays at the next step, and the old ones die with it; a variable that outlives
+        the step keeps reading an old one, which the next gradient refuses
+        (`stale_read`), through this Params or any other (`RETIRED`)."""
         for name, where, old in read:
             self._stale[id(old)] = (weakref.ref(old), name, where)
+            new = changed.get(id(old))
+            RETIRED[id(old)] = (weakref.ref(old), _weak(new), name, where)
 
     def any_stale(self) -> bool:
-        """Whether an array `_retire` remembers is still alive (the others forgotten)."""
+        """Whether an array `_retire` remembers, here or for any Params, is still alive
+        (the others forgotten)."""
         if self._stale:
             self._stale = {k: v for k, v in self._stale.items() if v[0]() is not None}
-        return bool(self._stale)
+        if RETIRED:
+            for k in [k for k, v in RETIRED.items() if v[0]() is None]:
+                RETIRED.pop(k, None)
+        return bool(self._stale or RETIRED)
 
-    def stale_read(self, read: Sequence[Any]) -> tuple[str, str, Any] | None:
+    def stale_read(self, read: Sequence[Any]) -> tuple[str, str, Any, bool] | None:
         """Of the arrays a function reads (`read`): one `_retire` remembers, read without
-        its parameter's current array (a loss that reads both, the old one as an anchor,
+        the array that replaced it (a loss that reads both, the old one as an anchor,
         `jnp.sum((W - W0) ** 2)`, trains), as (the parameter's name, where it was read,
-        the array); None when there is none."""
-        live = self._stale
+        the array, whether another Params replaced it); None when there is none.
+
+        Another Params: `ps = tg.Params([W])` built again at each step over a global
+        `W` that the loss reads: each update rebinds `W` only in the list of that step's
+        Params, so every step started again from the first array, silently."""
         ids = set(map(id, read))
         for a in read:
-            hit = live.get(id(a))
+            hit = self._stale.get(id(a))
             if hit is not None and hit[0]() is a:
                 now = self.named().get(hit[1])
                 if now is None or id(now) not in ids:
-                    return hit[1], hit[2], a
+                    return hit[1], hit[2], a, False
+        for a in read:
+            seen = RETIRED.get(id(a))
+            if seen is not None and seen[0]() is a and id(a) not in self._stale:
+                new = seen[1]()
+                if new is None or id(new) not in ids:
+                    return seen[2], seen[3], a, True
         return None
 
     def _unproven(self) -> bool:
