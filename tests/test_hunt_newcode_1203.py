@@ -40,9 +40,6 @@ Found, not fixed (strict xfail, diagnosis in its reason):
   (`trainer.late()` reads `len(self.log.history)`) stays a log (`_walk.Walk._attr_read`
   counts a method's attribute reads only for its own class's instances).
 - SILENT: a list attribute read by a computed name (`getattr(o, NAME)`) stays a log.
-- SILENT / crash under `jax.disable_jit()`: the program body runs again at each call,
-  so a list counter advances twice a call, and a first call that adds an instance
-  attribute shadowing a class attribute (`t.n += 1`) raises a bare `KeyError: 'n'`.
 - SILENT: Flux's weight-decay idiom over a Params of standalone arrays whose data term
   reads the global variables (`loss = data(W) + sum(sum(p**2) for p in ps)`) trains
   only the decay term: `Params.stale_read` lets an old array through when the current
@@ -53,6 +50,11 @@ Fixed by the lead after the hunt:
   repeated the first step forever: each new Params had no retired arrays to check. Now
   `_params.RETIRED` remembers them for every Params, and the second gradient is refused
   with its own message (`_paramerrors.unread_message(other=True)`).
+- SILENT / crash under `jax.disable_jit()`: the program ran its Python body, the
+  function with it, again after each trace, so a list counter advanced twice a call,
+  and a first call that added an instance attribute shadowing a class attribute
+  (`t.n += 1`) raised a bare `KeyError: 'n'`. `_engine.Entry.first_run` now traces and
+  runs with jit enabled.
 
 Checked, no defect: nnx models (Linear, a scalar Param, BatchNorm's BatchStat updated by
 the loss) in explicit and implicit style, uncompiled and tg.jit, equal nnx.Optimizer;
@@ -707,16 +709,9 @@ class _ClassCounter:
     n = 0  # a class attribute: the first `self.n += 1` adds an instance attribute
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under jax.disable_jit() the program _engine.Entry.run calls is not compiled: "
-    "its Python body (_programs.trace, which puts the tracers in place with _swap.put "
-    "and runs the user's function) runs again at each call, after _settle has finished "
-    "with the trace. A list counter is then appended to twice a call (SILENT: call k "
-    "reads 2k), and a function whose first call adds an instance attribute shadowing a "
-    "class attribute (`t.n += 1`) crashes with a bare KeyError: 'n' in _swap.Swap.put "
-    "on every call (the guard's node expects the attribute the run undid)",
-)
+# Was a strict xfail (silent, and a crash): under jax.disable_jit() the program ran its
+# Python body, the function with it, again after each trace. `_engine.Entry.first_run`
+# now traces and runs with jit enabled.
 @pytest.mark.parametrize("kind", ["list_counter", "new_instance_attribute"])
 def test_a_counter_under_jax_disable_jit_is_advanced_once_a_call(kind):
     log = []
@@ -736,3 +731,31 @@ def test_a_counter_under_jax_disable_jit_is_advanced_once_a_call(kind):
         got = [np.asarray(tg.gradient(loss, W3)[0]) for _ in range(3)]
     # Uncompiled: call k (from 1) reads k: d/dw k sum(w^2) = 2 k w.
     np.testing.assert_allclose(np.stack(got), np.stack([2 * k * np.asarray(W3) for k in (1, 2, 3)]))
+
+
+def test_under_jax_disable_jit_plain_calls_and_a_tg_jit_step_equal_uncompiled_and_optax():
+    # Calls that hit the cache run the program's Python body under disable_jit: each
+    # must still give the uncompiled gradient, and a compiled training step optax's.
+    scale = {"s": 2.0}
+    model = {"w": W3}
+
+    def loss(m):
+        return jnp.sum(jnp.sin(m["w"]) * X3) * scale["s"]
+
+    @tg.jit
+    def step(state, m):
+        g = tg.gradient(loss, m)[0]
+        return tg.update(state, m, g)
+
+    rule = optax.sgd(0.1)
+    state = tg.setup(rule, model)
+    opt, ref = rule.init(model), model
+    with jax.disable_jit():
+        for s in (2.0, 2.0, 3.0):
+            scale["s"] = s
+            want = jax.grad(loss)(model)
+            np.testing.assert_allclose(tg.gradient(loss, model)[0]["w"], want["w"], rtol=1e-6)
+            state, model = step(state, model)
+            u, opt = rule.update(jax.grad(loss)(ref), opt, ref)
+            ref = optax.apply_updates(ref, u)
+            np.testing.assert_allclose(model["w"], ref["w"], rtol=1e-6)

@@ -69,6 +69,11 @@ def signature(dyn: Sequence[Any]) -> tuple[Any, ...]:
     return tuple((tuple(x.shape), x.dtype) for x in dyn)
 
 
+def _jit_disabled() -> bool:
+    """Whether `jax.disable_jit()` is in force."""
+    return bool(jax.config.jax_disable_jit)  # type: ignore[attr-defined]  # made at run time
+
+
 class Entry:
     """One compiled program for one cache key and one guard."""
 
@@ -295,6 +300,18 @@ class Entry:
         self, roots: tuple[Any, ...], dyn: list[Any], params: Sequence[Any] | None
     ) -> Any:
         """Trace once, read the jaxpr, and run. (The entry keeps no user arrays.)"""
+        if _jit_disabled():
+            # Under jax.disable_jit() the program would run its Python body, the function
+            # with it, again after the trace (jax keys its traces by that setting too):
+            # a counter advanced twice a call. Traced and run as always, the function
+            # runs once a trace, as uncompiled.
+            with jax.disable_jit(False):
+                return self._first_run(roots, dyn, params)
+        return self._first_run(roots, dyn, params)
+
+    def _first_run(
+        self, roots: tuple[Any, ...], dyn: list[Any], params: Sequence[Any] | None
+    ) -> Any:
         before = {id(a) for a in jax.live_arrays()}
         self.overwritten = []
         self.stack.append(roots)
