@@ -206,7 +206,7 @@ def _new_run(
     entry = make(call)
     draws = Draws(entry.consumed) if entry.numpy_places else None
     try:
-        return entry, _first_run(entry, call, params)
+        return _first_run(entry, make, call, params)
     except _NOT_NUMPY as e:
         key = root_keys(call.roots)
         if draws is None or key in NUMPY_VALUES:
@@ -215,8 +215,7 @@ def _new_run(
     draws.restore()  # uncompiled, the function draws once: the failed trace's are undone
     values_mode(key)
     try:
-        entry = make(call)
-        return entry, _first_run(entry, call, params)
+        return _first_run(make(call), make, call, params)
     except BaseException as again:  # any: values mode undone; non-numpy ones propagate
         NUMPY_VALUES.pop(key, None)
         VALUED_SEEN.pop(key, None)
@@ -233,12 +232,26 @@ def _new_run(
 _NOT_NUMPY = (TypeError, AttributeError, NotImplementedError, IndexError, ValueError, Warning)
 
 
-def _first_run(entry: Entry, call: Call, params: Sequence[Any] | None) -> Any:
-    cl = entry.guard.check(*call.roots)
-    if cl is None:  # pragma: no cover - a guard must accept the values it was built from
-        raise AssertionError("treegrad: a new guard rejected its own function")
-    dyn = entry.bind(cl, call.a_uniq, params)
-    return entry.first_run(call.roots, dyn, params)
+def _first_run(
+    entry: Entry, make: Callable[[Call], Entry], call: Call, params: Sequence[Any] | None
+) -> tuple[Entry, Any]:
+    """The new entry's first run. Its guard was built from the values the walk read; a
+    thread that changes one meanwhile (a config it toggles) makes the guard refuse them:
+    walked again then, as the next call would be."""
+    for _ in range(_REWALKS):
+        cl = entry.guard.check(*call.roots)
+        if cl is not None:
+            dyn = entry.bind(cl, call.a_uniq, params)
+            return entry, entry.first_run(call.roots, dyn, params)
+        entry = make(call)
+    raise RuntimeError(
+        f"treegrad: what the function reads changed {_REWALKS} times while it was being "
+        "compiled (another thread changes it without pause): change it between calls, or "
+        "pass the value as an argument."
+    )
+
+
+_REWALKS = 20
 
 
 def _lookup(

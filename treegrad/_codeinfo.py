@@ -47,6 +47,8 @@ class _CodeInfo:
     next call reads (`_settle`).
     `read_attrs`: the same for attribute names (`self.log`), with the names its string
     constants spell (`getattr(self, "log")`).
+    `read_locals`: the same for local names (a parameter whose default is a list:
+    `def step(x, traces=traces): traces.append(1)` only appends to it).
     """
 
     __slots__ = (
@@ -57,6 +59,7 @@ class _CodeInfo:
         "imports",
         "in_place",
         "read_attrs",
+        "read_locals",
         "read_names",
         "reads",
     )
@@ -68,6 +71,7 @@ class _CodeInfo:
         dynamic = in_place = by_global_name = imports = False
         read_names: set[str] = set()
         read_attrs: set[str] = set()
+        read_locals: set[str] = set()
         words: set[str] = set()  # the identifiers its string constants spell
         modules: set[str] = set()  # its string constants that could name a module
         stack = [code]
@@ -79,6 +83,10 @@ class _CodeInfo:
                 name = op.opname
                 if name in _VARIABLE_LOADS and not _appends(ins, i + 1):
                     read_names.add(op.argval)
+                elif name in _LOCAL_LOADS and not _appends(ins, i + 1):
+                    # (3.13's LOAD_FAST_LOAD_FAST loads two: both count as read.)
+                    both = op.argval if isinstance(op.argval, tuple) else (op.argval,)
+                    read_locals.update(both)
                 if name in _STORE_LOCAL and i and ins[i - 1].opname in _ALIAS_SOURCES:
                     aliases.add(_stored(op))
                 elif (
@@ -181,6 +189,7 @@ class _CodeInfo:
         self.in_place = in_place
         self.read_names = frozenset(read_names)
         self.read_attrs = frozenset(read_attrs)
+        self.read_locals = frozenset(read_locals)
 
 
 def _appends(ins: list[dis.Instruction], i: int) -> bool:
@@ -192,6 +201,12 @@ def _appends(ins: list[dis.Instruction], i: int) -> bool:
         and ins[i].argval in ("append", "extend", "add", "update")
     )
 
+
+# Instructions that load a local variable (3.12's LOAD_FAST_CHECK and
+# LOAD_FAST_AND_CLEAR, 3.13's LOAD_FAST_LOAD_FAST of two).
+_LOCAL_LOADS = frozenset(
+    {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST"}
+)
 
 # Instructions that load a global or a closure variable by name.
 _VARIABLE_LOADS = frozenset(

@@ -708,10 +708,28 @@ class Walk:
             # Attributes set on the function (`helper.scale = 2.0`) that code may read.
             self.held(own, f"{path}.__dict__")
         if fn.__defaults__ is not None:
-            node.defaults = self.node(fn.__defaults__, f"{path} defaults")
+            node.defaults = self._defaults(fn, info, f"{path} defaults")
         if fn.__kwdefaults__ is not None:
             node.kwdefaults = self.node(fn.__kwdefaults__, f"{path} defaults")
         return node
+
+    def _defaults(self, fn: types.FunctionType, info: Any, path: str) -> Node:
+        """`node` of `fn.__defaults__`, each default reached by its parameter's name,
+        which the code spells: a list default it only appends to
+        (`def step(x, traces=traces)`) is a log, as a global would be; one it reads
+        otherwise (`len(h)`) is a counter (`_named`)."""
+        values = fn.__defaults__ or ()
+        prior = self.seen.get(id(values))
+        if prior is not None:
+            return Alias(prior)
+        code = fn.__code__
+        names = code.co_varnames[code.co_argcount - len(values) : code.co_argcount]
+        seq = self._memo(values, Seq(tuple, []))
+        for i, (name, v) in enumerate(zip(names, values, strict=True)):
+            read = name in info.read_locals or name in info.read_names
+            walk = self.node if read else self._by_name
+            seq.items.append(walk(v, f"{path}[{i}]"))
+        return seq
 
     def _tree(self, value: Any, path: str) -> Node:
         leaves, treedef = jax.tree_util.tree_flatten(value)
