@@ -175,8 +175,9 @@ class Jitted:
         # a global) could change under an old trace. Other static values are keyed by
         # value, a Module by its static data too (by identity, an attribute edited in
         # place would reuse a trace made with the old one). A static pytree holding arrays
-        # (a Module with weights) is guarded like a captured one: keyed by its identity,
-        # its static data edited in place would reuse the old trace, a stale result.
+        # (a Module with weights) is guarded like a captured one, its arrays traced inputs
+        # and its static data checked at each call (keyed by its identity, as it was, an
+        # edit in place reused the old trace: a stale result).
         for i, a in enumerate(args):
             if _is_function(a) or (i in static_at and _holds_arrays(a)):
                 if i in static_at:
