@@ -182,8 +182,12 @@ def test_seeds_that_failed_stay_fixed(tmp_path, monkeypatch):
     def _program(self):
         src = program(self)
         t = self.loss_text
-        module_read = "sys.modules[" in t  # the module read as an object
-        reads_all[0] = "globals()" in t or (module_read and ("getattr(" in t or "contextlib." in t))
+        # The module read as an object (`sys.modules[__name__].X`): whether a change of
+        # `UNUSED` traces again depends on what else the process has loaded (in the full
+        # 3.12 run seed 5093 traced again, alone it did not), as docs/compilation.md
+        # says of `sys.modules`; the 3.13 `__replace__` defect of 5093 has its own test
+        # above.
+        reads_all[0] = "globals()" in t or "sys.modules[" in t
         return src
 
     trace_free = F._trace_free
