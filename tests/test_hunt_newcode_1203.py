@@ -759,3 +759,24 @@ def test_under_jax_disable_jit_plain_calls_and_a_tg_jit_step_equal_uncompiled_an
             u, opt = rule.update(jax.grad(loss)(ref), opt, ref)
             ref = optax.apply_updates(ref, u)
             np.testing.assert_allclose(model["w"], ref["w"], rtol=1e-6)
+
+
+def test_a_value_changed_on_every_walk_is_refused_after_the_rewalks(monkeypatch):
+    # A thread that changes what the function reads between each walk and the guard's
+    # first check: walked again `_cache._REWALKS` times, then a clear error (0 rewalks
+    # stands for a value changed on every one). Nothing is cached.
+    from treegrad import _cache
+
+    monkeypatch.setattr(_cache, "_REWALKS", 0)
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            "treegrad: what the function reads changed 0 times while it was being compiled "
+            "(another thread changes it without pause): change it between calls, or pass "
+            "the value as an argument."
+        ),
+    ):
+        tg.gradient(lambda v: jnp.sum(v**3) * 1.25, W3)
+    monkeypatch.setattr(_cache, "_REWALKS", 20)
+    (g,) = tg.gradient(lambda v: jnp.sum(v**3) * 1.25, W3)
+    np.testing.assert_allclose(g, jax.grad(lambda v: jnp.sum(v**3) * 1.25)(W3), rtol=1e-6)

@@ -115,6 +115,16 @@ def _calls(mod, model, ps):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=what)
 
 
+def _each_read_changes_the_result(mod, model, ps, edits):
+    """Each edit of what the loss reads changes the uncompiled result, and every style's
+    calls then equal it (`_calls`)."""
+    for edit in edits:
+        before = _reference(mod, model)[1]
+        exec(edit, mod.__dict__)
+        assert not np.allclose(_reference(mod, model)[1], before), edit
+        _calls(mod, model, ps)
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -135,11 +145,9 @@ def test_dataclass_read_does_not_make_every_attribute_read(tmp_path):
             _calls(mod, model, ps)
             assert len(mod.TRACES) == n, f"traced again after {unread!r}, which nothing reads"
         # What the loss reads is still checked: each changes the result.
-        for read in ("DC.s = 0.9", "Cfg.s = 0.25", "DC = D(1.25)"):
-            before = _reference(mod, model)[1]
-            exec(read, mod.__dict__)
-            assert not np.allclose(_reference(mod, model)[1], before), read
-            _calls(mod, model, ps)
+        _each_read_changes_the_result(
+            mod, model, ps, ("DC.s = 0.9", "Cfg.s = 0.25", "DC = D(1.25)")
+        )
     finally:
         sys.modules.pop(mod.__name__, None)
 
@@ -159,11 +167,7 @@ def test_dataclass_replace_called_by_the_loss_is_still_read(tmp_path, call):
         model = {"w": jnp.array([0.3, -0.7, 1.1])}
         ps = tg.params(model)
         _calls(mod, model, ps)
-        for read in ("DC.s = 0.9", "Cfg.s = 0.25"):
-            before = _reference(mod, model)[1]
-            exec(read, mod.__dict__)
-            assert not np.allclose(_reference(mod, model)[1], before), read
-            _calls(mod, model, ps)
+        _each_read_changes_the_result(mod, model, ps, ("DC.s = 0.9", "Cfg.s = 0.25"))
     finally:
         sys.modules.pop(mod.__name__, None)
 
